@@ -1,0 +1,1 @@
+"""Subcommands of the ``jaxpar`` CLI (see :mod:`jaxpar.cli`)."""

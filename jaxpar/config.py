@@ -1,0 +1,406 @@
+"""Typed run configuration: model × mesh (hardware + layout) × training, from YAML and the CLI.
+
+A run is described by one :class:`RunConfig`. Model shapes live in ``models/*.yaml``; a cluster
+and the layout on it live in ``meshes/*.yaml``; everything can be overridden from the command
+line. :func:`validate` refuses a bad configuration with one line naming the field, the value
+and the rule, before JAX compiles anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxpar.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODELS_DIR = REPO_ROOT / "models"
+MESHES_DIR = REPO_ROOT / "meshes"
+
+AXES = ("pp", "dp", "sp", "tp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+SP_MODES = ("ulysses", "ring")
+REMAT = ("none", "full", "selective", "offload")
+OFFLOAD = ("none", "optimizer", "params")
+DTYPES = ("float32", "bfloat16", "float16")
+ON_NONFINITE = ("skip", "stop")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a decoder-only transformer (Llama-style block)."""
+
+    name: str = "tiny"
+    n_layers: int = 4
+    d_model: int = 256
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    d_ff: int = 768
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    head_dim: int | None = None  # defaults to d_model // n_heads
+    mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT-2/3 shapes)
+    tied_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def hd(self) -> int:
+        """Per-head dimension."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    def param_count(self) -> int:
+        """Exact number of parameters of the jaxpar model for this shape."""
+        d, hd = self.d_model, self.hd
+        attn = d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd + self.n_heads * hd * d
+        mlp = (3 if self.mlp == "swiglu" else 2) * d * self.d_ff
+        layer = attn + mlp + 2 * d
+        embed = self.vocab_size * d * (1 if self.tied_embeddings else 2)
+        return self.n_layers * layer + embed + d
+
+
+@dataclass
+class HardwareConfig:
+    """Figures of one accelerator and its links, used by the planner and MFU."""
+
+    platform: str = "cpu"  # "cpu" or "gpu"
+    device_memory_bytes: float = 16e9
+    peak_flops_bf16: float = 1e12
+    intra_node_bw: float = 50e9  # bytes/s per device, one direction (NVLink)
+    inter_node_bw: float = 12.5e9  # bytes/s per device, one direction (InfiniBand)
+    devices_per_node: int = 8
+    host_to_device_bw: float = 25e9  # bytes/s (PCIe) for offload
+    xla_flags: list[str] = field(default_factory=list)  # applied before JAX initialises
+
+
+@dataclass
+class LayoutConfig:
+    """How the model is parallelised over the mesh ``pp × dp × sp × tp``."""
+
+    dp: int = 4
+    tp: int = 2
+    pp: int = 1
+    sp: int = 1
+    zero: int = 1
+    dp_shard: int = 0  # hybrid sharding: ZeRO shards over groups of this many dp ranks (0 = all)
+    microbatches: int = 1  # gradient accumulation steps (or pipeline micro-batches)
+    schedule: str = "1f1b"
+    virtual: int = 1
+    sp_mode: str = "ulysses"
+    sequence_parallel: bool = False
+    remat: str = "none"
+    offload: str = "none"
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+
+    @property
+    def n_devices(self) -> int:
+        """Devices the layout occupies."""
+        return self.pp * self.dp * self.sp * self.tp
+
+    def axis_sizes(self) -> dict[str, int]:
+        """Mesh axis sizes in mesh order (pp outermost, tp innermost)."""
+        return {a: getattr(self, a) for a in AXES}
+
+
+@dataclass
+class MeshConfig:
+    """A cluster (hardware figures, device count) and the layout run on it."""
+
+    name: str = "cpu-8"
+    devices: int = 8
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields this mesh implies
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, data and bookkeeping of a training run."""
+
+    steps: int = 150
+    seed: int = 0
+    global_batch: int = 32
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 15
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    data: str = "stdlib"  # "stdlib" (embedded corpus), "synthetic", or a path to a .bin token file
+    data_dtype: str = "uint16"  # token dtype of .bin files
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 1
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    resume: bool = False
+    metrics_file: str | None = None
+    on_nonfinite: str = "stop"
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def layout(self) -> LayoutConfig:
+        """Shortcut to ``mesh.layout``."""
+        return self.mesh.layout
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Build dataclass ``cls`` from ``data``, refusing unknown fields with a suggestion."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            hint = difflib.get_close_matches(key, known, n=1)
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ConfigError(
+                f"{where}.{key}: unknown field{extra}; known fields: {', '.join(known)}"
+            )
+        sub = _nested_type(known[key])
+        kwargs[key] = _from_dict(sub, value, f"{where}.{key}") if sub else value
+    return cls(**kwargs)
+
+
+def _nested_type(f: dataclasses.Field) -> type | None:
+    nested = {"HardwareConfig": HardwareConfig, "LayoutConfig": LayoutConfig}
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    return nested.get(t)
+
+
+def _resolve(name_or_path: str, directory: Path, kind: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if not p.exists():
+            raise ConfigError(f"--{kind} {name_or_path!r}: file does not exist")
+        return p
+    candidate = directory / f"{name_or_path}.yaml"
+    if not candidate.exists():
+        names = sorted(x.stem for x in directory.glob("*.yaml"))
+        raise ConfigError(f"--{kind} {name_or_path!r}: unknown {kind}; known: {', '.join(names)}")
+    return candidate
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a YAML mapping at the top level")
+    return data
+
+
+def load_model(name_or_path: str) -> ModelConfig:
+    """Load a model shape by name (``models/NAME.yaml``) or path."""
+    path = _resolve(name_or_path, MODELS_DIR, "model")
+    data = _read_yaml(path)
+    data.setdefault("name", path.stem)
+    return _from_dict(ModelConfig, data, "model")
+
+
+def load_mesh(name_or_path: str) -> MeshConfig:
+    """Load a cluster and its layout by name (``meshes/NAME.yaml``) or path."""
+    path = _resolve(name_or_path, MESHES_DIR, "mesh")
+    data = _read_yaml(path)
+    data.setdefault("name", path.stem)
+    return _from_dict(MeshConfig, data, "mesh")
+
+
+def load(model: str = "tiny", mesh: str = "cpu-8") -> RunConfig:
+    """Load a run configuration from a model and a mesh name; training defaults embedded.
+
+    A mesh file may carry a ``train:`` mapping (e.g. the global batch and sequence length of a
+    production layout); it overrides the embedded training defaults.
+    """
+    mesh_cfg = load_mesh(mesh)
+    train = _from_dict(TrainConfig, dict(mesh_cfg.train), "mesh.train")
+    return RunConfig(model=load_model(model), mesh=mesh_cfg, train=train)
+
+
+def _coerce(value: str, current: Any, where: str) -> Any:
+    if isinstance(current, bool):
+        low = value.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}={value!r}: expected a boolean (true/false)")
+    if isinstance(current, int):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{where}={value!r}: expected an integer") from None
+    if isinstance(current, float):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where}={value!r}: expected a number") from None
+    if current is None and value.lower() in ("none", "null"):
+        return None
+    if isinstance(current, list):
+        return [v for v in value.split(",") if v]
+    return value
+
+
+def override(cfg: RunConfig, dotted: str, value: Any) -> None:
+    """Set ``cfg.<dotted>`` (e.g. ``train.lr`` or ``layout.tp``) from a string or value."""
+    parts = dotted.split(".")
+    if parts[0] == "layout":
+        parts = ["mesh", "layout", *parts[1:]]
+    if parts[0] == "hardware":
+        parts = ["mesh", "hardware", *parts[1:]]
+    obj: Any = cfg
+    for i, part in enumerate(parts):
+        names = [f.name for f in fields(obj)]
+        if part not in names:
+            where = ".".join(parts[: i + 1])
+            hint = difflib.get_close_matches(part, names, n=1)
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"{where}: unknown field{extra}")
+        if i == len(parts) - 1:
+            cur = getattr(obj, part)
+            setattr(obj, part, _coerce(value, cur, dotted) if isinstance(value, str) else value)
+        else:
+            obj = getattr(obj, part)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+# Features whose config fields exist but whose implementation has not landed refuse clearly.
+# Each entry: (field, predicate on its value meaning "unsupported", message).
+NOT_YET: list[tuple[str, Any, str]] = []
+
+
+def _positive(where: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{where}={value!r}: must be a positive integer")
+
+
+def _one_of(where: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{where}={value!r}: must be one of {', '.join(allowed)}")
+
+
+def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
+    """Refuse a bad configuration with one line naming the field, value and rule.
+
+    ``n_devices``, when given, is the number of devices the run will use; the layout must
+    multiply to it exactly.
+    """
+    m, lay, t = cfg.model, cfg.layout, cfg.train
+    for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
+                 "max_seq_len"):
+        _positive(f"model.{name}", getattr(m, name))
+    _one_of("model.mlp", m.mlp, ("swiglu", "gelu"))
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads}"
+        )
+    if m.head_dim is None and m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model}: must be divisible by n_heads={m.n_heads}")
+    if m.hd % 2:
+        raise ConfigError(f"model.head_dim={m.hd}: must be even for rotary embeddings")
+
+    for a in AXES:
+        _positive(f"layout.{a}", getattr(lay, a))
+    if n_devices is not None and lay.n_devices != n_devices:
+        raise ConfigError(
+            f"layout pp*dp*sp*tp={lay.pp}*{lay.dp}*{lay.sp}*{lay.tp}={lay.n_devices}: "
+            f"must equal the device count {n_devices}"
+        )
+    _positive("layout.microbatches", lay.microbatches)
+    _positive("layout.virtual", lay.virtual)
+    if lay.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"layout.zero={lay.zero!r}: ZeRO stage must be 0, 1, 2 or 3")
+    _one_of("layout.schedule", lay.schedule, SCHEDULES)
+    _one_of("layout.sp_mode", lay.sp_mode, SP_MODES)
+    _one_of("layout.remat", lay.remat, REMAT)
+    _one_of("layout.offload", lay.offload, OFFLOAD)
+    for name in ("param_dtype", "compute_dtype", "reduce_dtype"):
+        _one_of(f"layout.{name}", getattr(lay, name), DTYPES)
+    if lay.tp > 1 and m.n_heads % lay.tp:
+        raise ConfigError(
+            f"layout.tp={lay.tp}: model.n_heads={m.n_heads} must be divisible by tp"
+        )
+    if lay.tp > 1 and m.d_ff % lay.tp:
+        raise ConfigError(f"layout.tp={lay.tp}: model.d_ff={m.d_ff} must be divisible by tp")
+    if m.n_layers % (lay.pp * lay.virtual):
+        raise ConfigError(
+            f"model.n_layers={m.n_layers}: must be divisible by pp*virtual="
+            f"{lay.pp}*{lay.virtual}={lay.pp * lay.virtual}"
+        )
+
+    for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every",
+                 "checkpoint_every", "keep_checkpoints"):
+        _positive(f"train.{name}", getattr(t, name))
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps}: must be >= 0")
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every={t.eval_every}: must be >= 0 (0 disables)")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
+        )
+    if t.global_batch % lay.dp:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch}: must be divisible by layout.dp={lay.dp}"
+        )
+    per_dp = t.global_batch // lay.dp
+    if per_dp % lay.microbatches:
+        raise ConfigError(
+            f"layout.microbatches={lay.microbatches}: must divide the per-dp-rank batch "
+            f"global_batch/dp={per_dp}"
+        )
+    if t.seq_len % (lay.sp * lay.tp if lay.sequence_parallel else lay.sp):
+        div = lay.sp * lay.tp if lay.sequence_parallel else lay.sp
+        raise ConfigError(
+            f"train.seq_len={t.seq_len}: must be divisible by the sequence shards ({div})"
+        )
+    _one_of("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
+    _one_of("train.data_dtype", t.data_dtype, ("uint16", "uint32"))
+    if t.data not in ("stdlib", "synthetic") and not Path(t.data).exists():
+        raise ConfigError(
+            f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
+            "or a path to a .bin file)"
+        )
+    for fld, unsupported, message in NOT_YET:
+        value = _get(cfg, fld)
+        if unsupported(value):
+            raise ConfigError(f"{fld}={value!r}: {message}")
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain-dict view of a config dataclass (for JSON output and checkpoints)."""
+    return dataclasses.asdict(cfg)
