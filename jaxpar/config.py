@@ -126,13 +126,13 @@ class MeshConfig:
 class TrainConfig:
     """Optimisation, data and bookkeeping of a training run."""
 
-    steps: int = 150
+    steps: int = 100
     seed: int = 0
     global_batch: int = 32
     seq_len: int = 128
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 15
+    warmup_steps: int = 10
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95

@@ -1,0 +1,102 @@
+"""``jaxpar train``: train a model on a mesh (defaults: tiny model, 8 simulated CPU devices)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "train a model on a device mesh (defaults: tiny model on 8 simulated CPU devices)"
+
+# CLI flag -> dotted config field. Flags left unset keep the YAML/embedded value.
+FLAGS: dict[str, tuple[str, type, str]] = {
+    "steps": ("train.steps", int, "number of optimizer steps"),
+    "seed": ("train.seed", int, "seed of init and data order"),
+    "global_batch": ("train.global_batch", int, "sequences per step, all devices together"),
+    "seq_len": ("train.seq_len", int, "tokens per sequence"),
+    "lr": ("train.lr", float, "peak learning rate"),
+    "data": ("train.data", str, "'stdlib' (embedded corpus), 'synthetic', or a .bin token file"),
+    "checkpoint_dir": ("train.checkpoint_dir", str, "where orbax checkpoints go"),
+    "checkpoint_every": ("train.checkpoint_every", int, "steps between checkpoints"),
+    "metrics_file": ("train.metrics_file", str, "JSONL metrics (appended)"),
+    "eval_every": ("train.eval_every", int, "steps between held-out evaluations (0: end only)"),
+    "on_nonfinite": ("train.on_nonfinite", str, "skip | stop on a non-finite loss/gradient"),
+    "devices": ("mesh.devices", int, "devices of the cluster (simulated on CPU)"),
+    "dp": ("layout.dp", int, "data-parallel size"),
+    "tp": ("layout.tp", int, "tensor-parallel size"),
+    "pp": ("layout.pp", int, "pipeline stages"),
+    "sp": ("layout.sp", int, "sequence/context-parallel size"),
+    "zero": ("layout.zero", int, "ZeRO stage 0-3"),
+    "microbatches": ("layout.microbatches", int, "micro-batches per step"),
+    "schedule": ("layout.schedule", str, "pipeline schedule"),
+    "virtual": ("layout.virtual", int, "virtual pipeline stages per rank"),
+    "sp_mode": ("layout.sp_mode", str, "ulysses | ring"),
+    "remat": ("layout.remat", str, "none | full | selective | offload"),
+    "offload": ("layout.offload", str, "none | optimizer | params"),
+    "compute_dtype": ("layout.compute_dtype", str, "float32 | bfloat16"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``jaxpar train``."""
+    p.add_argument("--model", default="tiny", help="model name (models/NAME.yaml) or YAML path")
+    p.add_argument("--mesh", default="cpu-8", help="mesh name (meshes/NAME.yaml) or YAML path")
+    for name, (_, typ, text) in FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
+                       help=text)
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="Megatron sequence parallelism over tp")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="FIELD=VALUE",
+                   help="set any config field, e.g. -o train.warmup_steps=10 -o layout.zero=3")
+    p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
+
+
+def build_config(args: argparse.Namespace):
+    """RunConfig from the parsed flags (validated later, before compiling)."""
+    from jaxpar import config as C
+    from jaxpar.errors import ConfigError
+
+    cfg = C.load(args.model, args.mesh)
+    for name, (dotted, _, _) in FLAGS.items():
+        value = getattr(args, name)
+        if value is not None:
+            C.override(cfg, dotted, value)
+    if args.sequence_parallel:
+        C.override(cfg, "layout.sequence_parallel", True)
+    if args.resume:
+        C.override(cfg, "train.resume", True)
+    if args.no_progress:
+        C.override(cfg, "train.progress", False)
+    for item in args.override:
+        if "=" not in item:
+            raise ConfigError(f"-o {item!r}: expected FIELD=VALUE")
+        key, value = item.split("=", 1)
+        C.override(cfg, key.strip(), value.strip())
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate, set up devices, train, report."""
+    from jaxpar import config as C
+    from jaxpar.devices import simulate_cpu_devices
+    from jaxpar.report import emit_json
+
+    cfg = build_config(args)
+    C.validate(cfg, n_devices=cfg.mesh.devices)
+    if cfg.mesh.hardware.platform == "cpu":
+        simulate_cpu_devices(cfg.mesh.devices)
+
+    from jaxpar.train.loop import run as train_run
+
+    result = train_run(cfg)
+    if args.json:
+        emit_json(result)
+    else:
+        lay = cfg.layout
+        print(f"model {cfg.model.name} ({cfg.model.param_count() / 1e6:.1f} M params) on "
+              f"{result['devices']} {result['platform']} devices: pp={lay.pp} dp={lay.dp} "
+              f"sp={lay.sp} tp={lay.tp} zero={lay.zero}")
+        print(f"final loss {result['final_loss']:.4f}, held-out loss "
+              f"{result['eval_loss'] if result['eval_loss'] is None else round(result['eval_loss'], 4)}"
+              f", {result['tokens_per_s']:,.0f} tokens/s, {result['step_time_s'] * 1e3:.1f} ms/step")
+    return 0 if result["stopped"] is None else 3

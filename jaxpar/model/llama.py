@@ -1,0 +1,165 @@
+"""Llama-style decoder with a pure functional boundary: embed → stack of blocks → head + loss.
+
+Parameters are declared once in Flax NNX modules (:mod:`jaxpar.model.layers`); training works on
+a plain nested dict of arrays::
+
+    {"embed": {"table": [V, D]},
+     "layers": {<Block params, each with a leading [L] axis>},
+     "head": {"norm": {"scale": [D]}, "w_out": [D, V]}}      # no w_out when tied
+
+so that sharding, ZeRO, the layer scan and the pipeline executor can slice and place it without
+touching the math. :class:`Model` binds the pure dict back into NNX modules per call (at trace
+time only; the compiled program is the same as hand-written functions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.model.layers import Block, RMSNorm
+from jaxpar.sharding import constrain
+
+Params = dict[str, Any]
+
+
+class Embed(nnx.Module):
+    """Token embedding table, vocabulary on ``tp``."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        table = cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model))
+        self.table = nnx.Param(table, logical_axes=("vocab", "embed"))
+
+    def __call__(self, tokens_BxS: jax.Array, dtype) -> jax.Array:
+        x_BxSxD = jnp.take(self.table[...].astype(dtype), tokens_BxS, axis=0)
+        return constrain(x_BxSxD, ("batch", "seq", "embed"))
+
+
+class Head(nnx.Module):
+    """Final norm and output projection (or the transposed embedding when tied)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tied_embeddings:
+            w = cfg.init_std * jax.random.normal(rngs.params(), (cfg.d_model, cfg.vocab_size))
+            self.w_out = nnx.Param(w, logical_axes=("embed", "vocab"))
+
+    def logits(self, x_BxSxD: jax.Array, table_VxD: jax.Array | None) -> jax.Array:
+        h = self.norm(x_BxSxD)
+        w_DxV = table_VxD.T if table_VxD is not None else self.w_out[...]
+        # Vocab-sharded logits: each tp rank holds V/tp columns; fp32 for a stable softmax.
+        logits = jnp.einsum("bsd,dv->bsv", h, w_DxV.astype(h.dtype)).astype(jnp.float32)
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy in nats (fp32)."""
+    lse_BxS = jax.nn.logsumexp(logits_BxSxV, axis=-1)
+    onehot = jax.nn.one_hot(targets_BxS, logits_BxSxV.shape[-1], dtype=logits_BxSxV.dtype)
+    # One-hot contraction instead of a gather keeps the vocab dimension sharded.
+    picked_BxS = jnp.einsum("bsv,bsv->bs", logits_BxSxV, onehot)
+    return jnp.mean(lse_BxS - picked_BxS)
+
+
+class _Full(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.embed = Embed(cfg, rngs)
+
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def stack(key):
+            return Block(cfg, nnx.Rngs(params=key))
+
+        self.layers = stack(jax.random.split(rngs.params(), cfg.n_layers))
+        self.head = Head(cfg, rngs)
+
+
+def _logical(state: nnx.State) -> Any:
+    return jax.tree.map(lambda v: v.get_metadata()["logical_axes"], state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+class Model:
+    """Functional view of the decoder for one :class:`ModelConfig`."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        abstract = nnx.eval_shape(lambda: _Full(cfg, nnx.Rngs(params=0)))
+        _, state = nnx.split(abstract)
+        self._abstract_state = state
+        self._defs: dict[str, tuple[Any, nnx.State]] = {}
+        for name, factory in (
+            ("embed", lambda: Embed(cfg, nnx.Rngs(params=0))),
+            ("block", lambda: Block(cfg, nnx.Rngs(params=0))),
+            ("head", lambda: Head(cfg, nnx.Rngs(params=0))),
+        ):
+            self._defs[name] = nnx.split(nnx.eval_shape(factory))
+
+    # ---- the parameter tree -----------------------------------------------------------------
+
+    def init(self, key: jax.Array) -> Params:
+        """Initial parameters (fp32). Jit it with ``out_shardings`` to create them sharded;
+        with partitionable threefry the values do not depend on the sharding."""
+        return nnx.to_pure_dict(nnx.state(_Full(self.cfg, nnx.Rngs(params=key))))
+
+    def abstract(self) -> Params:
+        """Shape/dtype tree of the parameters."""
+        return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                            nnx.to_pure_dict(self._abstract_state))
+
+    def logical_axes(self) -> Params:
+        """Logical axes of every parameter; stacked layers get a leading ``layers`` axis."""
+        tree = nnx.to_pure_dict(_logical(self._abstract_state))
+        tree["layers"] = jax.tree.map(lambda ax: ("layers", *ax), tree["layers"],
+                                      is_leaf=lambda x: isinstance(x, tuple))
+        return tree
+
+    def _bind(self, name: str, params: Params) -> nnx.Module:
+        graphdef, abstract = self._defs[name]
+        state = jax.tree.map(lambda x: x, abstract)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(graphdef, state)
+
+    # ---- the functional boundary ------------------------------------------------------------
+
+    def embed(self, params: Params, tokens_BxS: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """Token embeddings ``[B, S, D]`` in ``dtype``."""
+        return self._bind("embed", params["embed"])(tokens_BxS, dtype)
+
+    def block(self, layer_params: Params, x_BxSxD: jax.Array, positions_S: jax.Array):
+        """One decoder block on one layer's parameters (no leading layer axis)."""
+        return self._bind("block", layer_params)(x_BxSxD, positions_S)
+
+    def blocks(self, stacked: Params, x_BxSxD: jax.Array, positions_S: jax.Array,
+               wrap: Callable[[Callable], Callable] | None = None) -> jax.Array:
+        """Apply a stack of blocks with ``lax.scan`` (compile time independent of depth).
+
+        ``wrap`` transforms the per-layer body, e.g. ``jax.checkpoint`` with a remat policy.
+        """
+
+        def body(x, layer_params):
+            return self.block(layer_params, x, positions_S), None
+
+        x_BxSxD, _ = jax.lax.scan(wrap(body) if wrap else body, x_BxSxD, stacked)
+        return x_BxSxD
+
+    def logits(self, params: Params, x_BxSxD: jax.Array) -> jax.Array:
+        """Final norm and vocabulary projection, fp32 ``[B, S, V]``."""
+        table = params["embed"]["table"] if self.cfg.tied_embeddings else None
+        return self._bind("head", params["head"]).logits(x_BxSxD, table)
+
+    def head_loss(self, params: Params, x_BxSxD: jax.Array, targets_BxS: jax.Array):
+        """Mean cross entropy of the last hidden states against the targets."""
+        return cross_entropy(self.logits(params, x_BxSxD), targets_BxS)
+
+    def loss(self, params: Params, tokens_BxS: jax.Array, targets_BxS: jax.Array,
+             dtype=jnp.float32, wrap: Callable | None = None) -> jax.Array:
+        """Mean next-token loss of the whole model (the single-program path)."""
+        positions_S = jnp.arange(tokens_BxS.shape[1])
+        x = self.embed(params, tokens_BxS, dtype)
+        x = self.blocks(params["layers"], x, positions_S, wrap)
+        return self.head_loss(params, x, targets_BxS)

@@ -1,0 +1,207 @@
+"""Logical axis rules and ZeRO stages as PartitionSpecs.
+
+Model code names logical axes (``batch``, ``seq``, ``embed``, ``heads``, ...); one table maps each
+to mesh axes. Resolution is done here (first rule wins, no silent fallbacks) and refuses an array
+whose two dimensions land on the same mesh axis.
+
+ZeRO is a choice of shardings, not a separate code path: stage k decides which of the parameter,
+gradient and optimizer-state trees get an extra ``dp`` dimension (:func:`zero_spec`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import LayoutConfig, ModelConfig
+
+LOGICAL_AXES = (
+    "batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+)  # fmt: skip
+
+MeshAxes = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Logical axis → mesh axes. A logical axis absent from the table is replicated."""
+
+    table: tuple[tuple[str, MeshAxes], ...]
+
+    def lookup(self, logical: str | None) -> MeshAxes:
+        """Mesh axes a logical axis maps to (first matching rule wins)."""
+        if logical is None:
+            return ()
+        if logical not in LOGICAL_AXES:
+            raise ValueError(f"logical axis {logical!r}: unknown; known: {LOGICAL_AXES}")
+        for name, axes in self.table:
+            if name == logical:
+                return axes
+        return ()
+
+    def spec(self, logical_axes: Sequence[str | None]) -> P:
+        """PartitionSpec for an array with these logical axes; raises on a mesh-axis collision."""
+        used: dict[str, str] = {}
+        out: list[str | tuple[str, ...] | None] = []
+        for logical in logical_axes:
+            axes = self.lookup(logical)
+            for a in axes:
+                if a in used:
+                    raise ValueError(
+                        f"logical axes {tuple(logical_axes)}: '{logical}' and '{used[a]}' both "
+                        f"map to mesh axis '{a}'"
+                    )
+                used[a] = logical or ""
+            out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+        return P(*out)
+
+
+def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
+    """The rule table of a layout.
+
+    Megatron TP: ``heads``, ``mlp`` and ``vocab`` on ``tp`` make QKV/MLP-up column-parallel and
+    attention-out/MLP-down row-parallel, so GSPMD emits one all-reduce per pair in forward and
+    one in backward. kv heads go on ``tp`` only when they divide evenly; otherwise they are
+    replicated over ``tp`` (each TP rank keeps all kv heads and uses its query group's).
+    """
+    kv = ("tp",) if model.n_kv_heads % layout.tp == 0 else ()
+    return Rules(
+        (
+            ("batch", ("dp",)),
+            ("seq", ("sp",)),
+            ("heads", ("tp",)),
+            ("kv_heads", kv),
+            ("mlp", ("tp",)),
+            ("vocab", ("tp",)),
+        )
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The active rules: a context so model code can say ``constrain(x, ("batch", "seq", "embed"))``.
+
+_ACTIVE: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("jaxpar_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules | None) -> Iterator[None]:
+    """Activate ``rules`` for :func:`constrain` while tracing (use with ``jax.set_mesh``)."""
+    token = _ACTIVE.set(rules)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_rules() -> Rules | None:
+    """The rules :func:`constrain` currently uses, or None outside :func:`use_rules`."""
+    return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """``with_sharding_constraint`` by logical axes; a no-op when no rules are active.
+
+    Uses a bare PartitionSpec, resolved against the mesh set by ``jax.set_mesh``; inside the
+    pipeline's ``shard_map`` (manual over ``pp``) that is the abstract mesh of the other axes.
+    """
+    rules = _ACTIVE.get()
+    if rules is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, rules.spec(logical_axes))
+
+
+# --------------------------------------------------------------------------------------------
+# ZeRO
+
+
+def zero_spec(spec: P, shape: Sequence[int], logical_axes: Sequence[str | None], dp: int) -> P:
+    """Add ``dp`` to ``spec`` on the largest dimension that can take it.
+
+    Eligible dimensions are not ``layers`` (the layer scan slices it), not already sharded, and
+    divisible by ``dp`` times their existing shards. A tensor with no eligible dimension (e.g. a
+    small norm scale) stays replicated over ``dp``; its bytes are negligible and
+    :mod:`jaxpar.analysis` counts it exactly.
+    """
+    if dp == 1:
+        return spec
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    best = None
+    for i, (size, logical) in enumerate(zip(shape, logical_axes, strict=True)):
+        if logical == "layers" or parts[i] is not None or size % dp:
+            continue
+        if best is None or size > shape[best]:
+            best = i
+    if best is None:
+        return P(*parts)
+    parts[best] = "dp"
+    return P(*parts)
+
+
+@dataclass(frozen=True)
+class StageSharding:
+    """Which trees ZeRO stage k shards over ``dp``."""
+
+    params: bool
+    grads: bool
+    optimizer: bool
+
+    @staticmethod
+    def of(stage: int) -> StageSharding:
+        """Stage 0 DDP, 1 optimizer, 2 + gradients, 3 + parameters (FSDP)."""
+        return StageSharding(params=stage >= 3, grads=stage >= 2, optimizer=stage >= 1)
+
+
+def param_specs(logical_tree, shape_tree, rules: Rules, dp: int, shard_dp: bool):
+    """PartitionSpecs of a parameter-shaped tree (params, grads, or one optimizer moment)."""
+
+    def one(logical, shape):
+        spec = rules.spec(logical)
+        return zero_spec(spec, shape, logical, dp) if shard_dp else spec
+
+    return jax.tree.map(one, logical_tree, shape_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def named(mesh, spec_tree):
+    """Map a tree of PartitionSpecs to NamedShardings on ``mesh``."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def match_param_tree(tree, param_specs_tree, default: P = P()):
+    """Specs for a tree that embeds parameter-shaped subtrees (e.g. optax state).
+
+    A leaf whose key path ends with a parameter's key path gets that parameter's spec (Adam's
+    ``mu``/``nu`` mirror the params); every other leaf (step counters) gets ``default``.
+    """
+    flat_params = {
+        _keys(path): spec
+        for path, spec in jax.tree_util.tree_flatten_with_path(
+            param_specs_tree, is_leaf=lambda x: isinstance(x, P))[0]
+    }
+    longest = max((len(k) for k in flat_params), default=0)
+
+    def pick(path, leaf):
+        keys = _keys(path)
+        for n in range(min(longest, len(keys)), 0, -1):
+            spec = flat_params.get(keys[-n:])
+            if spec is not None and len(spec) <= len(getattr(leaf, "shape", ())):
+                return spec
+        return default
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def _keys(path) -> tuple[str, ...]:
+    out = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            out.append(str(k.key))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(k.name)
+    return tuple(out)

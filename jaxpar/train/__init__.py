@@ -1,0 +1,1 @@
+"""Training: the jitted step (:mod:`.step`) and the loop around it (:mod:`.loop`)."""

@@ -1,0 +1,205 @@
+"""The jitted train step: shardings per ZeRO stage, accumulation, precision, remat, bad numbers.
+
+State is a plain dict ``{"params", "opt", "step"}``. :class:`Trainer` derives every sharding from
+the model's logical axes and the layout, builds the optimizer, and compiles one step with
+explicit in/out shardings and donated state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import sharding as shd
+from jaxpar.config import RunConfig, TrainConfig
+from jaxpar.model import Model
+
+State = dict[str, Any]
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def lr_schedule(t: TrainConfig) -> optax.Schedule:
+    """Linear warm-up to ``lr`` then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
+        decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio,
+    )
+
+
+def make_optimizer(t: TrainConfig, logical_axes: Any) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping; no weight decay on norm scales."""
+    decay_mask = jax.tree.map(lambda ax: bool(set(ax) - {"layers", "embed"}), logical_axes,
+                              is_leaf=lambda x: isinstance(x, tuple))
+    return optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                    mask=decay_mask),
+    )
+
+
+def remat_wrap(policy: str) -> Callable[[Callable], Callable] | None:
+    """How the per-layer body is rematerialised: ``none``, ``full`` or ``selective``.
+
+    ``selective`` saves matmul outputs and recomputes the cheap elementwise work (norms,
+    activations, softmax); ``full`` keeps only each layer's input.
+    """
+    if policy == "none":
+        return None
+    if policy == "full":
+        return lambda f: jax.checkpoint(f, prevent_cse=False)
+    if policy == "selective":
+        return lambda f: jax.checkpoint(
+            f, prevent_cse=False, policy=jax.checkpoint_policies.checkpoint_dots)
+    raise ValueError(f"layout.remat={policy!r}: not supported by this step")
+
+
+def microbatch_split(x_BxT: jax.Array, k: int) -> jax.Array:
+    """``[B, ...] -> [k, B/k, ...]`` without gathering a dp-sharded batch.
+
+    Reshaping to ``[B/k, k, ...]`` keeps each device's rows contiguous on the leading dimension;
+    swapping axes then gives micro-batch ``j`` = rows ``{i·k + j}``, each device still holding
+    its share. A direct reshape to ``[k, B/k]`` would all-gather the batch.
+    """
+    b = x_BxT.shape[0]
+    return jnp.swapaxes(x_BxT.reshape(b // k, k, *x_BxT.shape[1:]), 0, 1)
+
+
+class Trainer:
+    """Shardings, optimizer and compiled step for a run on ``mesh``."""
+
+    def __init__(self, cfg: RunConfig, mesh, model: Model | None = None):
+        self.cfg, self.mesh = cfg, mesh
+        self.model = model or Model(cfg.model)
+        lay = cfg.layout
+        self.rules = shd.rules_for(cfg.model, lay)
+        self.logical = self.model.logical_axes()
+        self.abstract_params = self.model.abstract()
+        shapes = jax.tree.map(lambda a: a.shape, self.abstract_params)
+        stage = shd.StageSharding.of(lay.zero)
+        spec = lambda shard: shd.param_specs(self.logical, shapes, self.rules, lay.dp, shard)  # noqa: E731
+        self.param_specs = spec(stage.params)
+        self.grad_specs = spec(stage.grads)
+        self.moment_specs = spec(stage.optimizer)
+        self.tx = make_optimizer(cfg.train, self.logical)
+        opt_abstract = jax.eval_shape(self.tx.init, self.abstract_params)
+        self.opt_specs = shd.match_param_tree(opt_abstract, self.moment_specs)
+        self.state_specs = {"params": self.param_specs, "opt": self.opt_specs, "step": P()}
+        self.state_shardings = shd.named(mesh, self.state_specs)
+        # Tokens [B, S+1]: rows over dp; sequence sharding happens on activations inside.
+        self.batch_sharding = NamedSharding(mesh, P("dp", None))
+        self.compute_dtype = DTYPES[lay.compute_dtype]
+        self._step = jax.jit(self._step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
+                             out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+        self._compiled = None
+        self._eval = jax.jit(self._eval_fn, in_shardings=(self.param_shardings, self.batch_sharding))
+        self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
+
+    @property
+    def param_shardings(self):
+        """NamedShardings of the parameters at rest."""
+        return self.state_shardings["params"]
+
+    def abstract_state(self) -> State:
+        """ShapeDtypeStructs with shardings of the whole state (checkpoint restore target)."""
+        shapes = jax.eval_shape(self._init_fn, jax.random.key(0))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            shapes, self.state_shardings)
+
+    # ---- traced functions -------------------------------------------------------------------
+
+    def _init_fn(self, key: jax.Array) -> State:
+        params = self.model.init(key)
+        return {"params": params, "opt": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def loss_fn(self, params, tokens_BxS, targets_BxS) -> jax.Array:
+        """Mean loss of one (micro-)batch under the layout's precision and remat policy."""
+        return self.model.loss(params, tokens_BxS, targets_BxS, self.compute_dtype,
+                               remat_wrap(self.cfg.layout.remat))
+
+    def grads_fn(self, params, batch_BxT) -> tuple[jax.Array, Any]:
+        """Mean loss and gradients over the batch, accumulated over micro-batches."""
+        k = self.cfg.layout.microbatches
+        tokens, targets = batch_BxT[:, :-1], batch_BxT[:, 1:]
+        grad_sh = shd.named(self.mesh, self.grad_specs)
+        vg = jax.value_and_grad(self.loss_fn)
+        if k == 1:
+            loss, grads = vg(params, tokens, targets)
+            return loss, jax.lax.with_sharding_constraint(grads, grad_sh)
+
+        def body(carry, mb):
+            loss_sum, acc = carry
+            loss, g = vg(params, mb[0], mb[1])
+            # The accumulator carries the stage's gradient sharding across micro-batches.
+            acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, acc, g), grad_sh)
+            return (loss_sum + loss, acc), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.lax.with_sharding_constraint(zeros, grad_sh)
+        mbs = (microbatch_split(tokens, k), microbatch_split(targets, k))
+        (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
+        return loss_sum / k, jax.tree.map(lambda g: g / k, acc)
+
+    def _step_fn(self, state: State, batch_BxT: jax.Array):
+        params, opt = state["params"], state["opt"]
+        loss, grads = self.grads_fn(params, batch_BxT)
+        gnorm = optax.global_norm(grads)
+        updates, new_opt = self.tx.update(grads, opt, params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite loss or gradient never reaches the state: the update is skipped here and
+        # the loop applies the user's policy (skip or stop) from the flag.
+        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        new_state = {"params": keep(new_params, params), "opt": keep(new_opt, opt),
+                     "step": state["step"] + 1}
+        lr = lr_schedule(self.cfg.train)(state["step"])
+        return new_state, {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": ok}
+
+    def _eval_fn(self, params, batch_BxT) -> jax.Array:
+        return self.loss_fn(params, batch_BxT[:, :-1], batch_BxT[:, 1:])
+
+    # ---- public, run under the mesh and the rules -------------------------------------------
+
+    def _ctx(self):
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(shd.use_rules(self.rules))
+        return stack
+
+    def init_state(self, seed: int) -> State:
+        """Fresh state, created directly in its shardings (identical values on any layout)."""
+        with self._ctx():
+            return self._init(jax.random.key(seed))
+
+    def step(self, state: State, batch: jax.Array) -> tuple[State, dict[str, jax.Array]]:
+        """One optimizer step; ``state`` is donated."""
+        return self.compile_step()(state, batch)
+
+    def eval_loss(self, params, batch: jax.Array) -> jax.Array:
+        """Mean loss of ``params`` on a batch (no update)."""
+        with self._ctx():
+            return self._eval(params, batch)
+
+    def grads(self, params, batch: jax.Array):
+        """Loss and gradients with the step's shardings (for equivalence tests)."""
+        with self._ctx():
+            fn = jax.jit(self.grads_fn, in_shardings=(self.param_shardings, self.batch_sharding))
+            return fn(params, batch)
+
+    def compile_step(self):
+        """The compiled step (compiled once; also used for memory and collective analysis)."""
+        if self._compiled is not None:
+            return self._compiled
+        with self._ctx():
+            abstract = self.abstract_state()
+            batch = jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.train.seq_len + 1),
+                                         jnp.int32, sharding=self.batch_sharding)
+            self._compiled = self._step.lower(abstract, batch).compile()
+        return self._compiled

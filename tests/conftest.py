@@ -1,0 +1,36 @@
+"""Tests run on 8 simulated CPU devices, set once before JAX initialises."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from jaxpar import config as C  # noqa: E402
+
+
+def small_config(**layout) -> C.RunConfig:
+    """A run small enough to compile and step in about a second on 2 cores."""
+    cfg = C.load("tiny", "cpu-8")
+    cfg.model = C.ModelConfig(name="test", n_layers=4, d_model=64, n_heads=4, n_kv_heads=2,
+                              d_ff=128, vocab_size=256, max_seq_len=64)
+    cfg.train.global_batch = 16
+    cfg.train.seq_len = 32
+    cfg.train.steps = 5
+    cfg.train.warmup_steps = 2
+    cfg.train.eval_every = 0
+    cfg.train.progress = False
+    cfg.layout.dp, cfg.layout.tp = 1, 1
+    for k, v in layout.items():
+        setattr(cfg.layout, k, v)
+    cfg.mesh.devices = cfg.layout.n_devices
+    return cfg
+
+
+@pytest.fixture
+def make_cfg():
+    """Factory of small run configs: ``make_cfg(dp=8)``."""
+    return small_config
