@@ -1,0 +1,224 @@
+"""Per-rank action orders of each pipeline schedule, and the rules on their arguments.
+
+Each generator ``(p, m, v) -> orders`` returns, per rank, the actions in execution order as
+``(kind, stage, micro-batch)`` tuples; :func:`jaxpar.pipeline.schedules.make_schedule` turns
+them into a validated :class:`~jaxpar.pipeline.schedules.Schedule`. Facts about each schedule
+(warm-up counts, phase structure) come from its paper or reference implementation, cited at
+the generator; the code is jaxpar's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxpar.errors import ConfigError
+
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")
+Key = tuple[str, int, int]  # (kind, global stage, micro-batch)
+
+
+def _gpipe(p: int, m: int, v: int) -> list[list[Key]]:
+    # All forwards, then all backwards in the same micro-batch order: m stashes live per rank.
+    return [[("F", r, j) for j in range(m)] + [("B", r, j) for j in range(m)] for r in range(p)]
+
+
+def _1f1b(p: int, m: int, v: int) -> list[list[Key]]:
+    # PipeDream-flush: rank r warms up with p-1-r forwards, then alternates F/B, then drains.
+    orders = []
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        row = [("F", r, j) for j in range(warm)]
+        for j in range(m - warm):
+            row += [("F", r, warm + j), ("B", r, j)]
+        row += [("B", r, j) for j in range(m - warm, m)]
+        orders.append(row)
+    return orders
+
+
+def _interleaved(p: int, m: int, v: int) -> list[list[Key]]:
+    # Megatron-LM's interleaved 1F1B: virtual micro-batch k runs chunk (k // p) % v on
+    # micro-batch (k // (p*v)) * p + k % p; backwards visit the chunks in reverse. Warm-up is
+    # 2(p-1-r) + (v-1)p virtual micro-batches, as in Megatron's forward_backward function.
+    if v == 1:
+        return _1f1b(p, m, v)
+    total = m * v
+    orders = []
+    for r in range(p):
+
+        def item(k: int, kind: str, r: int = r) -> Key:
+            chunk = (k // p) % v
+            chunk = chunk if kind == "F" else v - 1 - chunk
+            return (kind, chunk * p + r, (k // (p * v)) * p + k % p)
+
+        warm = min(2 * (p - 1 - r) + (v - 1) * p, total)
+        row = [item(k, "F") for k in range(warm)]
+        for k in range(total - warm):
+            row += [item(warm + k, "F"), item(k, "B")]
+        row += [item(k, "B") for k in range(total - warm, total)]
+        orders.append(row)
+    return orders
+
+
+def _zb_h1(p: int, m: int, v: int) -> list[list[Key]]:
+    # ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): steady step x on rank r is
+    # (F_x, I_{x-(p-1-r)}, W_{x-(p-1)}). Every rank lags its W by p-1 micro-batches, so it
+    # holds p stashes: 1F1B's peak (rank 0's p), reached on every rank. The deferred W fill
+    # the cool-down bubbles: idle (p-1)(F+I-W) per rank instead of 1F1B's (p-1)(F+B).
+    orders = []
+    for r in range(p):
+        row: list[Key] = []
+        for x in range(m + p - 1):
+            if x < m:
+                row.append(("F", r, x))
+            if 0 <= x - (p - 1 - r) < m:
+                row.append(("I", r, x - (p - 1 - r)))
+            if 0 <= x - (p - 1) < m:
+                row.append(("W", r, x - (p - 1)))
+        orders.append(row)
+    return orders
+
+
+class _VRow:
+    """One rank's order under V placement: chunk 0 is stage ``r``, chunk 1 is ``2p-1-r``.
+
+    Counters give each chunk's next micro-batch per action family (``I`` and ``B`` share one,
+    both being "the backward"); ``I`` queues its ``W`` for a FIFO :meth:`weight`.
+    """
+
+    def __init__(self, p: int, r: int) -> None:
+        self.stages = (r, 2 * p - 1 - r)
+        self.row: list[Key] = []
+        self.count = {(k, c): 0 for k in "FBW" for c in (0, 1)}
+        self.queue: list[Key] = []
+
+    def add(self, kind: str, chunk: int) -> None:
+        family = "B" if kind == "I" else kind
+        stage, mb = self.stages[chunk], self.count[(family, chunk)]
+        self.count[(family, chunk)] += 1
+        self.row.append((kind, stage, mb))
+        if kind == "I":
+            self.queue.append(("W", stage, mb))
+
+    def weight(self) -> None:
+        self.row.append(self.queue.pop(0))
+
+    def n(self, family: str, chunk: int) -> int:
+        return self.count[(family, chunk)]
+
+
+def _zbv(p: int, m: int, v: int) -> list[list[Key]]:
+    # ZB-V (Qi et al. 2024), phases as in the paper's figure and PyTorch's ZBV schedule.
+    # Warm-up fills the V with forwards (2(p-r)-1 of chunk 0, then r F1/F0 pairs, then p-r
+    # F1 I1 W1), the steady phase alternates F/I/W of chunk 0 and chunk 1, the cool-down runs
+    # input gradients first (they are on the critical path) and drains the weights last.
+    orders = []
+    for r in range(p):
+        b = _VRow(p, r)
+        for _ in range(2 * (p - r) - 1):
+            b.add("F", 0)
+        for _ in range(r):
+            b.add("F", 1)
+            b.add("F", 0)
+        for _ in range(p - r):
+            for kind in "FIW":
+                b.add(kind, 1)
+        while b.n("F", 1) < b.n("F", 0) or b.n("F", 0) < m:
+            if b.n("F", 0) < m:
+                b.add("F", 0)
+            for kind, c in (("I", 0), ("W", 0), ("F", 1), ("I", 1), ("W", 1)):
+                b.add(kind, c)
+        for _ in range(r):
+            b.add("I", 0)
+            b.add("I", 1)
+        for _ in range(p - r):
+            b.add("I", 0)
+            b.add("W", 0)
+        for c in (1, 0):
+            while b.n("W", c) < b.n("B", c):
+                b.add("W", c)
+        orders.append(b.row)
+    return orders
+
+
+def _dualpipev(p: int, m: int, v: int) -> list[list[Key]]:
+    # DeepSeek DualPipeV (deepseek-ai/DualPipe, dualpipev.py), its eight steps per rank; see
+    # the schedules module docstring for what is modelled. Full backwards are "B"; zero-bubble
+    # backwards are "I" with their "W" queued FIFO, as DualPipe's weight-gradient store does.
+    orders = []
+    for r in range(p):
+        b = _VRow(p, r)
+        for _ in range(2 * (p - r - 1)):  # 1: forwards of chunk 0
+            b.add("F", 0)
+        for _ in range(r + 1):  # 2: F0 F1 pairs
+            b.add("F", 0)
+            b.add("F", 1)
+        for _ in range(p - r - 1):  # 3: zero-bubble I1, W1, F1
+            b.add("I", 1)
+            b.weight()
+            b.add("F", 1)
+        for _ in range(m - 2 * p + r + 1):  # 4: main step, overlapped F0&B1 then F1&B0
+            for kind, c in (("F", 0), ("B", 1), ("F", 1), ("B", 0)):
+                b.add(kind, c)
+        for _ in range(p - r - 1):  # 5: B1, then overlapped F1&B0
+            for kind, c in (("B", 1), ("F", 1), ("B", 0)):
+                b.add(kind, c)
+        zb = False
+        for i in range(r + 1):  # 6: B1 B0, the second half zero-bubble
+            zb = zb or (i == (r + 1) // 2 and r % 2 == 1)
+            b.add("I" if zb else "B", 1)
+            zb = zb or (i == (r + 1) // 2 and r % 2 == 0)
+            b.add("I" if zb else "B", 0)
+        for _ in range(p - r - 1):  # 7: W, then zero-bubble I0
+            b.weight()
+            b.add("I", 0)
+        while b.queue:  # 8: drain the weight queue
+            b.weight()
+        orders.append(b.row)
+    return orders
+
+
+GENERATORS: dict[str, Callable[[int, int, int], list[list[Key]]]] = {
+    "gpipe": _gpipe,
+    "1f1b": _1f1b,
+    "interleaved": _interleaved,
+    "zb-h1": _zb_h1,
+    "zbv": _zbv,
+    "dualpipev": _dualpipev,
+}
+DEFAULT_VIRTUAL = {"interleaved": 2, "zbv": 2, "dualpipev": 2}
+
+
+def check_arguments(kind: str, p: int, m: int, v: int | None = None) -> int:
+    """Refuse a bad (kind, p, m, v) with a one-line :class:`ConfigError`; return resolved v."""
+    if kind not in GENERATORS:
+        raise ConfigError(f"schedule={kind!r}: unknown schedule, choose one of {', '.join(KINDS)}")
+    v = DEFAULT_VIRTUAL.get(kind, 1) if v is None else v
+    for name, value in (("stages", p), ("microbatches", m), ("virtual", v)):
+        if value < 1:
+            raise ConfigError(f"{name}={value}: must be >= 1")
+    if kind in V_SHAPED and v != 2:
+        raise ConfigError(f"virtual={v}: schedule {kind!r} is V-shaped and needs virtual=2")
+    if kind not in V_SHAPED and kind != "interleaved" and v != 1:
+        raise ConfigError(f"virtual={v}: schedule {kind!r} has one stage per rank, needs virtual=1")
+    if kind in ("1f1b", "zb-h1") or (kind == "interleaved" and v == 1):
+        if m < p:
+            raise ConfigError(
+                f"microbatches={m}: schedule {kind!r} needs microbatches >= stages={p}"
+            )
+    if kind == "interleaved" and v > 1 and m % p:
+        raise ConfigError(
+            f"microbatches={m}: schedule 'interleaved' needs a multiple of stages={p} (Megatron)"
+        )
+    if kind in V_SHAPED and m < 2 * p:
+        raise ConfigError(
+            f"microbatches={m}: schedule {kind!r} needs microbatches >= 2*stages={2 * p}"
+        )
+    return v
+
+
+def placement_for(kind: str, p: int, v: int) -> tuple[int, ...]:
+    """Stage -> rank map: V-shaped, interleaved (round robin), or one stage per rank."""
+    if kind in V_SHAPED:
+        return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    return tuple(s % p for s in range(p * v))

@@ -1,0 +1,138 @@
+"""Costing a schedule: asynchronous (event-driven) and lock-step timing, bubble, memory.
+
+Costs are per full pipeline stage (``f``, ``b``, ``i``, ``w``; ``b`` defaults to ``i + w``);
+a chunk of a schedule with ``v`` virtual stages per rank costs ``1/v`` of that, so every
+schedule does the same total work ``m * (f + b)`` per rank and bubbles compare directly.
+
+* Asynchronous: each rank runs its order; an action starts when the rank is free and its
+  dependencies have ended (communication is free). ``bubble_fraction`` is
+  ``1 - busy / (p * makespan)``; ``span_bubble`` is per rank, over the rank's own span from its
+  first start to its last end (zero-bubble schedules make this zero; what remains is the
+  ``start_skew`` before the last rank gets its first input).
+* Lock-step: the tick table, each tick lasting as long as its slowest action.
+* ``peak_inflight[r]``: most (stage, micro-batch) stashes alive at once on rank ``r`` — from the
+  forward until the last backward piece that reads it (``B``, or ``W`` when split). It depends
+  only on the rank's order, so both timings agree on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from jaxpar.pipeline.schedules import (
+    Action,
+    Key,
+    Schedule,
+    ScheduleError,
+    backward_kind,
+    dependencies,
+)
+
+
+@dataclass(frozen=True)
+class ScheduleStats:
+    """Timing and memory figures of one schedule under one cost model."""
+
+    makespan: float
+    bubble_fraction: float
+    span_bubble: list[float]  # per rank, over the rank's first-start..last-end span
+    start_skew: float  # last rank's first start minus the first rank's
+    busy_per_rank: float
+    lockstep_ticks: int
+    lockstep_makespan: float
+    lockstep_bubble_fraction: float
+    peak_inflight: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for JSON)."""
+        return asdict(self)
+
+
+def action_costs(
+    schedule: Schedule, f: float = 1.0, b: float | None = None, i: float = 1.0, w: float = 1.0
+) -> dict[str, float]:
+    """Per-chunk cost of each action kind: the stage costs divided by ``v``."""
+    b = i + w if b is None else b
+    return {k: c / schedule.v for k, c in (("F", f), ("B", b), ("I", i), ("W", w))}
+
+
+def simulate_async(schedule: Schedule, costs: dict[str, float]) -> dict[Key, tuple[float, float]]:
+    """Event-driven timing: ``(start, end)`` of every action, ranks in their own order."""
+    orders, p = schedule.orders, schedule.p
+    bwd = backward_kind(orders)
+    times: dict[Key, tuple[float, float]] = {}
+    ptr, free = [0] * p, [0.0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            # Advance rank r as far as its dependencies are already timed; a rank can only
+            # wait on actions of other ranks, which later sweeps resolve.
+            while ptr[r] < len(orders[r]):
+                a = orders[r][ptr[r]]
+                deps = dependencies(a, schedule.num_stages, bwd)
+                if any(d not in times for d in deps):
+                    break
+                start = max([free[r]] + [times[d][1] for d in deps])
+                free[r] = start + costs[a.kind]
+                times[(a.kind, a.stage, a.mb)] = (start, free[r])
+                ptr[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError("orders deadlock under asynchronous timing")
+    return times
+
+
+def peak_inflight(schedule: Schedule) -> list[int]:
+    """Most stashes alive at once per rank (forward run, last backward piece not yet)."""
+    bwd = backward_kind(schedule.orders)
+    peaks = []
+    for row in schedule.orders:
+        live = peak = 0
+        for a in row:
+            if a.kind == "F":
+                live += 1
+            elif a.kind == "W" or (a.kind == "B" and bwd[(a.stage, a.mb)] == "B"):
+                live -= 1
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def stats(
+    schedule: Schedule, f: float = 1.0, b: float | None = None, i: float = 1.0, w: float = 1.0
+) -> ScheduleStats:
+    """Asynchronous and lock-step statistics of ``schedule`` (see the module docstring)."""
+    costs = action_costs(schedule, f, b, i, w)
+    times = simulate_async(schedule, costs)
+    busy = [sum(costs[a.kind] for a in row) for row in schedule.orders]
+    makespan = max(end for _, end in times.values())
+    firsts, spans = [], []
+    for r, row in enumerate(schedule.orders):
+        first = times[_key(row[0])][0]
+        last = times[_key(row[-1])][1]
+        firsts.append(first)
+        spans.append(1.0 - busy[r] / (last - first))
+    tick_len = [
+        max((costs[a.kind] for a in col if a is not None), default=0.0)
+        for col in zip(*schedule.ticks, strict=True)
+    ]
+    lock_makespan = sum(tick_len)
+    total_busy = sum(busy)
+    return ScheduleStats(
+        makespan=makespan,
+        bubble_fraction=1.0 - total_busy / (schedule.p * makespan),
+        span_bubble=spans,
+        start_skew=max(firsts) - min(firsts),
+        busy_per_rank=max(busy),
+        lockstep_ticks=schedule.num_ticks,
+        lockstep_makespan=lock_makespan,
+        lockstep_bubble_fraction=1.0 - total_busy / (schedule.p * lock_makespan),
+        peak_inflight=peak_inflight(schedule),
+    )
+
+
+def _key(a: Action) -> Key:
+    return (a.kind, a.stage, a.mb)

@@ -1,0 +1,265 @@
+"""Pipeline schedule tables: validity, slot bookkeeping, bubble theory, errors, CLI, rendering.
+
+Pure Python (no JAX). Costs are F=1, B=2, I=W=1 per full stage, a chunk costs 1/v.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.errors import ConfigError
+from jaxpar.pipeline.render import ascii_table, plot_schedules
+from jaxpar.pipeline.schedules import (
+    KINDS,
+    Action,
+    ScheduleError,
+    lockstep,
+    make_schedule,
+    validate,
+)
+from jaxpar.pipeline.tables import SEND_LOCAL, check_slots
+from jaxpar.pipeline.timing import stats
+
+PS = (1, 2, 4, 8)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def allowed(kind: str, p: int, v: int) -> list[int]:
+    """Micro-batch counts from the required grid that ``kind`` accepts."""
+    ms = sorted({p, 2 * p, 4 * p, 8, 16, 32})
+    if kind in ("1f1b", "zb-h1"):
+        return [m for m in ms if m >= p]
+    if kind == "interleaved":
+        return [m for m in ms if m % p == 0 and m >= p]
+    if kind in ("zbv", "dualpipev"):
+        return [m for m in ms if m >= 2 * p]
+    return ms
+
+
+def grid():
+    for kind in KINDS:
+        vs = (2,) if kind in ("zbv", "dualpipev") else (1, 2) if kind == "interleaved" else (1,)
+        for p in PS:
+            for v in vs:
+                for m in allowed(kind, p, v):
+                    yield kind, p, m, v
+
+
+GRID = list(grid())
+
+
+def idle_per_rank(kind: str, p: int, m: int) -> float:
+    st = stats(make_schedule(kind, p, m))
+    return st.makespan - st.busy_per_rank
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_generator_validates_and_its_slots_replay(kind):
+    cases = [c for c in GRID if c[0] == kind]
+    assert cases
+    for _, p, m, v in cases:
+        sched = make_schedule(kind, p, m, v)
+        validate(sched)  # make_schedule validates too; this documents the check
+        arrays = sched.as_arrays()
+        check_slots(sched, arrays)
+        peak = max(stats(sched).peak_inflight)
+        assert int(arrays["n_stash_slots"]) == peak
+        assert int(arrays["n_act_slots"]) <= peak and int(arrays["n_grad_slots"]) <= peak
+        # The integer table is the tick table: same actions in the same cells.
+        for r, row in enumerate(sched.ticks):
+            for t, a in enumerate(row):
+                code = int(arrays["kind"][t, r])
+                assert (a is None) == (code == 0)
+                if a is not None:
+                    assert "FBIW"[code - 1] == a.kind
+                    assert (arrays["stage"][t, r], arrays["mb"][t, r]) == (a.stage, a.mb)
+                    assert sched.stages_of(r)[arrays["chunk"][t, r]] == a.stage
+
+
+def test_validator_rejects_broken_tables():
+    good = make_schedule("1f1b", 4, 8)
+    row0 = list(good.orders[0])
+    # Backward before its forward on rank 0: the order itself is not causal.
+    i_f, i_b = row0.index(Action("F", 0, 5)), row0.index(Action("B", 0, 5))
+    swapped = row0[:]
+    swapped[i_f], swapped[i_b] = swapped[i_b], swapped[i_f]
+    orders = (tuple(swapped),) + good.orders[1:]
+    with pytest.raises(ScheduleError):
+        lockstep(orders, 4)
+    # A tick table that runs F1.0 in the same tick as F0.0 (data arrives one tick later).
+    ticks = [list(r) for r in good.ticks]
+    ticks[1][0], ticks[1][1] = ticks[1][1], None
+    with pytest.raises(ScheduleError, match="needs F0.0"):
+        validate(dataclasses.replace(good, ticks=tuple(map(tuple, ticks))))
+    # Missing a backward, duplicate action, action on the wrong rank.
+    for bad in (
+        (good.orders[0][:-1],) + good.orders[1:],
+        (good.orders[0] + (Action("F", 0, 0),),) + good.orders[1:],
+        (good.orders[0] + (Action("W", 1, 0),),) + good.orders[1:],
+    ):
+        with pytest.raises(ScheduleError):
+            validate(dataclasses.replace(good, orders=bad))
+    # Mixing B with I/W for one (stage, micro-batch) is refused.
+    zb = make_schedule("zb-h1", 2, 2)
+    extra = (zb.orders[0] + (Action("B", 0, 0),),) + zb.orders[1:]
+    with pytest.raises(ScheduleError, match="stage 0 micro-batch 0"):
+        validate(dataclasses.replace(zb, orders=extra))
+
+
+def test_slot_checker_catches_a_corrupted_table():
+    sched = make_schedule("zbv", 4, 8)
+    good = sched.as_arrays()
+    for key in ("stash_slot", "in_slot", "recv_act", "recv_grad", "send"):
+        bad = {k: v.copy() for k, v in good.items()}
+        where = tuple(np.argwhere(bad[key] >= 0)[7])
+        bad[key][where] = bad[key][where] + 1
+        with pytest.raises(ScheduleError):
+            check_slots(sched, bad)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_gpipe_and_1f1b_bubble_is_exact(kind):
+    for p in PS:
+        for m in allowed(kind, p, 1):
+            st = stats(make_schedule(kind, p, m))
+            assert st.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+def test_interleaved_bubble_is_exact():
+    for p in PS:
+        for v in (2, 4):
+            for m in allowed("interleaved", p, v):
+                st = stats(make_schedule("interleaved", p, m, v))
+                assert st.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+def test_zb_h1_idles_one_third_of_1f1b():
+    for p in (2, 4, 8):
+        for m in allowed("zb-h1", p, 1):
+            # ZB-H1 idles (p-1)(F+I-W) = p-1 per rank, 1F1B (p-1)(F+B) = 3(p-1): exactly 1/3.
+            assert idle_per_rank("zb-h1", p, m) == pytest.approx(p - 1, abs=1e-12)
+            ratio = idle_per_rank("zb-h1", p, m) / idle_per_rank("1f1b", p, m)
+            assert ratio == pytest.approx(1 / 3, abs=1e-12)
+
+
+def test_zbv_has_no_bubble_within_each_rank_span():
+    for p in PS:
+        for m in allowed("zbv", p, 2):
+            st = stats(make_schedule("zbv", p, m))
+            assert max(st.span_bubble) == pytest.approx(0.0, abs=1e-12)
+            assert st.start_skew == pytest.approx((p - 1) * 0.5)  # (p-1) chunk forwards
+            assert st.makespan == pytest.approx(3 * m + (p - 1) * 0.5)
+            # 2p half-size chunk stashes: the activation memory of 1F1B's p full stages.
+            assert st.peak_inflight == [2 * p] * p
+
+
+def test_dualpipev_beats_1f1b_and_uses_both_backward_forms():
+    for p in (2, 4, 8):
+        for m in allowed("dualpipev", p, 2):
+            sched = make_schedule("dualpipev", p, m)
+            kinds = {a.kind for row in sched.orders for a in row}
+            assert kinds == {"F", "B", "I", "W"}
+            st = stats(sched)
+            assert st.bubble_fraction < stats(make_schedule("1f1b", p, m)).bubble_fraction
+            assert max(st.peak_inflight) <= 2 * p + 1
+
+
+def test_peak_inflight():
+    for p in PS:
+        for m in allowed("1f1b", p, 1):
+            assert stats(make_schedule("gpipe", p, m)).peak_inflight == [m] * p
+            assert stats(make_schedule("1f1b", p, m)).peak_inflight == [p - r for r in range(p)]
+            # ZB-H1 keeps 1F1B's peak (p, on rank 0); deferring W holds p on every rank.
+            assert stats(make_schedule("zb-h1", p, m)).peak_inflight == [p] * p
+
+
+def test_lockstep_costs_mixed_ticks_but_not_split_backward():
+    one = stats(make_schedule("1f1b", 4, 16))
+    assert one.lockstep_bubble_fraction > one.bubble_fraction + 0.05
+    for kind in ("zb-h1", "zbv"):
+        st = stats(make_schedule(kind, 4, 16))
+        assert st.lockstep_makespan == pytest.approx(st.makespan)
+
+
+def test_v_placement_and_local_hops():
+    sched = make_schedule("zbv", 4, 8)
+    assert sched.placement == (0, 1, 2, 3, 3, 2, 1, 0)
+    arrays = sched.as_arrays()
+    tick = sched.tick_of()
+    # The turn of the V (stage 3 -> 4 on rank 3) is local; stage 4 -> 5 goes up a rank.
+    assert arrays["send"][tick[("F", 3, 0)], 3] == SEND_LOCAL
+    assert arrays["send"][tick[("F", 4, 0)], 3] == 2
+    one = make_schedule("interleaved", 1, 4, 2).as_arrays()
+    assert set(one["send"][one["send"] > 0].tolist()) == {SEND_LOCAL}
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (("pipedream", 4, 8, None), "schedule='pipedream'"),
+        (("1f1b", 4, 3, None), "microbatches=3"),
+        (("zb-h1", 4, 3, None), "microbatches=3"),
+        (("zbv", 4, 7, None), "microbatches=7"),
+        (("dualpipev", 4, 6, None), "microbatches=6"),
+        (("interleaved", 4, 6, 2), "microbatches=6"),
+        (("zbv", 4, 8, 1), "virtual=1"),
+        (("gpipe", 4, 8, 2), "virtual=2"),
+        (("gpipe", 0, 8, None), "stages=0"),
+        (("gpipe", 2, 0, None), "microbatches=0"),
+    ],
+)
+def test_bad_inputs_raise_one_line_config_errors(args, field):
+    with pytest.raises(ConfigError) as err:
+        make_schedule(*args)
+    msg = str(err.value)
+    assert field in msg and "\n" not in msg
+    assert any(w in msg for w in ("needs", "must", "unknown"))
+
+
+def test_action_text_round_trips():
+    for a in (Action("F", 3, 5), Action("W", 12, 31)):
+        assert Action.parse(str(a)) == a
+
+
+def test_ascii_table_is_aligned():
+    sched = make_schedule("interleaved", 4, 8, 2)
+    lines = ascii_table(sched).splitlines()
+    assert len(lines) == 1 + sched.p
+    assert len({len(line) for line in lines}) == 1
+    assert "F0.0" in lines[1] and "B7.7" in lines[4]
+
+
+def test_cli_json_and_plot(capsys, tmp_path):
+    png = tmp_path / "zbv.png"
+    argv = ["schedule", "--kind", "zbv", "--stages", "4", "--microbatches", "8"]
+    assert main(argv + ["--json", "--plot", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["kind"], out["stages"], out["microbatches"], out["virtual"]) == ("zbv", 4, 8, 2)
+    assert len(out["ranks"]) == 4 and out["ranks"][3][0] == "F3.0"
+    assert sum(len(r) for r in out["ranks"]) == 3 * 2 * 4 * 8  # F, I, W per stage and mb
+    assert len(out["peak_inflight"]) == 4
+    assert 0 < out["bubble_fraction"] < out["lockstep_bubble_fraction"] + 1e-9
+    for key in ("makespan", "lockstep_ticks"):
+        assert out[key] > 0
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert main(["schedule", "--kind", "gpipe", "--stages", "2", "--microbatches", "2"]) == 0
+    human = capsys.readouterr().out
+    assert "rank 1" in human and "bubble" in human
+
+
+def test_cli_error_exits_2_with_one_line(capsys):
+    assert main(["schedule", "--kind", "1f1b", "--stages", "4", "--microbatches", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "microbatches=2" in err[0]
+
+
+def test_plot_several_schedules(tmp_path):
+    out = plot_schedules(
+        [make_schedule(k, 4, 8) for k in ("1f1b", "zb-h1", "zbv")], tmp_path / "cmp.png"
+    )
+    assert out.read_bytes()[:8] == PNG_MAGIC
