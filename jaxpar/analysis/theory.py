@@ -1,0 +1,353 @@
+"""Closed-form per-device costs: model states, activations, communication, FLOPs, bubble.
+
+Pure Python (no JAX). Notation: Ψ parameters, N (or ``n``) data-parallel size, t tensor-parallel
+size, p pipeline stages, m micro-batches, v virtual stages per rank, P sequence-parallel size,
+s sequence length, b micro-batch size, h hidden size, a attention heads, l layers.
+Sources:
+
+* ZeRO — Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+  Models", SC 2020 (Table 1; §7 communication).
+* Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022
+  (Table 2: activation memory per layer).
+* Megatron-LM — Shoeybi et al. 2019 (TP all-reduces); Narayanan et al. 2021 (pipeline bubble,
+  interleaved schedule).
+* DeepSpeed-Ulysses — Jacobs et al. 2023 (all-to-all volume); Ring Attention — Liu et al. 2023.
+* PaLM — Chowdhery et al. 2022, App. B (FLOPs per token with attention; MFU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxpar.config import LayoutConfig, ModelConfig
+
+GB = 1e9  # the ZeRO paper's GB
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ADAM_K = 12  # ZeRO's K: fp32 master params, Adam m and v (4 + 4 + 4 bytes per parameter)
+OPT_SCALAR_BYTES = 8  # optax Adam step count + schedule count (int32 each) in jaxpar's state
+
+
+# --------------------------------------------------------------------------------------------
+# Model states
+
+
+def zero_model_states(psi: float, n: int, stage: int, k: float = ADAM_K) -> dict[str, float]:
+    """Model-state bytes per device in the ZeRO paper's convention (mixed-precision Adam).
+
+    bf16 params 2Ψ, bf16 grads 2Ψ, optimizer KΨ (K = 12: fp32 master, m, v). Stage 1 divides
+    the optimizer by N, stage 2 also the grads, stage 3 also the params:
+    DDP (2+2+K)Ψ = 16Ψ; ZeRO-1 4Ψ + KΨ/N; ZeRO-2 2Ψ + (2+K)Ψ/N; ZeRO-3 (4+K)Ψ/N.
+    ZeRO Table 1, Ψ = 7.5e9, N = 64: 120, 31.4, 16.6, 1.88 GB.
+    """
+    _check_stage(stage)
+    params = 2 * psi / (n if stage >= 3 else 1)
+    grads = 2 * psi / (n if stage >= 2 else 1)
+    opt = k * psi / (n if stage >= 1 else 1)
+    return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
+def _check_stage(stage: int) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage={stage!r}: must be 0, 1, 2 or 3")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def param_shard_count(model: ModelConfig, layout: LayoutConfig) -> dict[str, Any]:
+    """Exact parameter counts one device holds under ``layout`` (the most loaded device).
+
+    Per tensor (stacked over layers where the model stacks them):
+
+    * layer tensors hold ``n_layers / pp`` layers (ceil);
+    * attention q and o, and every MLP matrix, are split over ``tp`` (ceil);
+    * k and v projections are split over ``tp`` when ``n_kv_heads % tp == 0``, else replicated;
+    * embedding and head are vocab-sharded over ``tp`` (ceil); they, and the final norm, are
+      assumed held by every pp rank (an upper bound if only the first/last stage holds them);
+    * norms are replicated.
+
+    ZeRO shards over ``dp`` (or the ``dp_shard`` group under hybrid sharding) per tensor with
+    ceil division (``ceil(local / N)``, the padded shard size). Returns ``tensors`` (name →
+    ``{"full", "local", "sharded"}``), ``local`` (after tp/pp), ``params``/``grads``/
+    ``optimizer`` (per-device element counts each state holds: params sharded at stage 3, grads
+    at ≥ 2, each optimizer moment at ≥ 1) and ``zero_shards`` (N).
+    """
+    tp, pp, stage = layout.tp, layout.pp, layout.zero
+    _check_stage(stage)
+    nz = layout.dp_shard or layout.dp
+    d, hd, layers = model.d_model, model.hd, _cdiv(model.n_layers, pp)
+    kv_split = tp if model.n_kv_heads % tp == 0 else 1
+    n_mlp = 3 if model.mlp == "swiglu" else 2
+    # (full count, local count after tp/pp)
+    shapes = {
+        "wq": (model.n_layers * d * model.n_heads * hd, layers * d * _cdiv(model.n_heads, tp) * hd),
+        "wkv": (
+            model.n_layers * 2 * d * model.n_kv_heads * hd,
+            layers * 2 * d * _cdiv(model.n_kv_heads, kv_split) * hd,
+        ),
+        "wo": (model.n_layers * model.n_heads * hd * d, layers * _cdiv(model.n_heads, tp) * hd * d),
+        "mlp": (
+            model.n_layers * n_mlp * d * model.d_ff,
+            layers * n_mlp * d * _cdiv(model.d_ff, tp),
+        ),
+        "layer_norms": (model.n_layers * 2 * d, layers * 2 * d),
+        "embed": (model.vocab_size * d, _cdiv(model.vocab_size, tp) * d),
+        "final_norm": (d, d),
+    }
+    if not model.tied_embeddings:
+        shapes["head"] = shapes["embed"]
+    tensors = {
+        k: {"full": f, "local": loc, "sharded": _cdiv(loc, nz)} for k, (f, loc) in shapes.items()
+    }
+    local = sum(t["local"] for t in tensors.values())
+    sharded = sum(t["sharded"] for t in tensors.values())
+    return {
+        "tensors": tensors,
+        "full": sum(t["full"] for t in tensors.values()),
+        "local": local,
+        "params": sharded if stage >= 3 else local,
+        "grads": sharded if stage >= 2 else local,
+        "optimizer": sharded if stage >= 1 else local,
+        "zero_shards": nz,
+    }
+
+
+def stored_model_states(model: ModelConfig, layout: LayoutConfig) -> dict[str, float]:
+    """Model-state bytes per device as jaxpar stores them ("stored" convention).
+
+    jaxpar keeps params and grads in ``layout.param_dtype`` (fp32 by default, cast to the
+    compute dtype per use) and optax Adam's m and v in the param dtype: 4Ψ + 4Ψ + 8Ψ = 16Ψ in
+    fp32, plus :data:`OPT_SCALAR_BYTES`. Ψ per state is :func:`param_shard_count`'s figure, so
+    tp/pp/ZeRO sharding is exact per tensor. With one micro-batch XLA may not materialise the
+    grads separately; this is what the program *holds* at rest, not XLA's temporaries.
+    """
+    c = param_shard_count(model, layout)
+    w = DTYPE_BYTES[layout.param_dtype]
+    out = {
+        "params": w * c["params"],
+        "grads": w * c["grads"],
+        "optimizer": 2 * w * c["optimizer"] + OPT_SCALAR_BYTES,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Activations
+
+
+def activation_bytes_per_layer(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    cp: int = 1,
+    flash: bool = False,
+    bytes_per_value: int = 2,
+) -> float:
+    """Activation bytes of one transformer layer on one device (Korthikanti et al., Table 2).
+
+    16-bit activations (1-byte dropout masks): no parallelism sbh(34 + 5as/h); TP without SP
+    sbh(10 + 24/t + 5as/(ht)); TP+SP sbh(34/t + 5as/(ht)). Selective recompute (attention core
+    recomputed, its 5as/h term gone): sbh(10 + 24/t), with SP sbh·34/t. Full recompute keeps
+    the layer input, 2sbh (2sbh/t with SP, where the residual stream is sequence-sharded).
+    ``flash`` drops the 5as/h score term (attention kernels that never store scores).
+    ``cp`` (context-parallel ``sp`` size) divides the total: Ulysses holds s/cp tokens and a/cp
+    heads' s×s scores; for ring attention the score term is an upper bound.
+    ``bytes_per_value`` rescales from the paper's 2 bytes (e.g. 4 for fp32, approximate: masks
+    stay 1 byte in reality).
+    """
+    sbh = s * b * h
+    score = 0.0 if flash else 5 * a * s / h
+    if recompute == "full":
+        base = 2 / t if sequence_parallel else 2.0
+    elif recompute == "selective":
+        base = 34 / t if sequence_parallel else 10 + 24 / t
+    elif recompute in ("none", "offload"):
+        base = (34 / t if sequence_parallel else 10 + 24 / t) + score / t
+    else:
+        raise ValueError(f"recompute={recompute!r}: must be none, selective, full or offload")
+    return sbh * base / cp * bytes_per_value / 2
+
+
+def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Micro-batches whose activations the first pipeline rank holds at peak, in units of its
+    own layers (L/p). GPipe m; 1F1B min(p, m); interleaved p + (p−1)/v (Korthikanti §4.2.3:
+    L·(1 + (p−1)/(p·v)) layers' worth). p = 1: one micro-batch at a time. Other schedules:
+    take the peak from the schedule library.
+    """
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(p, m))
+    if schedule == "interleaved":
+        return p + (p - 1) / v
+    raise ValueError(
+        f"schedule={schedule!r}: no closed form here; pass in_flight from the "
+        "schedule library's peak in-flight statistic"
+    )
+
+
+def activation_bytes(
+    model: ModelConfig,
+    layout: LayoutConfig,
+    seq_len: int,
+    micro_batch: int,
+    in_flight: float | None = None,
+    bytes_per_value: int = 2,
+    flash: bool = False,
+) -> float:
+    """Peak activation bytes on the first pipeline rank: per-layer bytes × layers per stage ×
+    in-flight micro-batches (:func:`in_flight_microbatches` unless ``in_flight`` is given).
+    ``micro_batch`` is per dp rank; h = d_model. Embedding and loss activations are not
+    included, and the paper's 34 assumes a 4h GELU MLP (approximate for SwiGLU shapes).
+    """
+    per = activation_bytes_per_layer(
+        seq_len,
+        micro_batch,
+        model.d_model,
+        model.n_heads,
+        layout.tp,
+        layout.sequence_parallel,
+        layout.remat,
+        layout.sp,
+        flash,
+        bytes_per_value,
+    )
+    if in_flight is None:
+        in_flight = in_flight_microbatches(
+            layout.schedule, layout.pp, layout.microbatches, layout.virtual
+        )
+    return per * (model.n_layers / layout.pp) * in_flight
+
+
+# --------------------------------------------------------------------------------------------
+# Communication (elements unless named *_bytes; per device)
+
+
+def ring_factor(n: int) -> float:
+    """(n−1)/n: the share of a buffer each device sends in a ring all-gather/reduce-scatter."""
+    return (n - 1) / n
+
+
+def dp_comm_elements(psi: float, n: int, stage: int) -> float:
+    """Gradient/parameter traffic per device per step over ``dp`` (ZeRO §7).
+
+    Stages 0–2: one all-reduce of the grads = reduce-scatter + all-gather → 2Ψ·(N−1)/N.
+    Stage 3: all-gather params in forward, again in backward, reduce-scatter grads
+    → 3Ψ·(N−1)/N (1.5×). The paper's 2Ψ / 3Ψ drop the ring factor (N → ∞).
+    """
+    _check_stage(stage)
+    return (3 if stage == 3 else 2) * psi * ring_factor(n)
+
+
+def dp_comm_bytes(psi: float, n: int, stage: int, dtype_bytes: int = 2) -> float:
+    """:func:`dp_comm_elements` in bytes for a ``dtype_bytes`` reduction dtype."""
+    return dp_comm_elements(psi, n, stage) * dtype_bytes
+
+
+def tp_comm_elements_per_layer(
+    b: int, s: int, h: int, t: int, sequence_parallel: bool = False
+) -> dict[str, float]:
+    """Megatron TP traffic per layer per micro-batch (forward + backward), per device.
+
+    Without SP: 4 all-reduces (2 forward: after attention-out and MLP-down; 2 backward: the
+    conjugate ones at the column-parallel inputs) of a b·s·h buffer, each 2·bsh·(t−1)/t
+    → 8·bsh·(t−1)/t. With SP each all-reduce becomes reduce-scatter + all-gather (4 of each,
+    bsh·(t−1)/t apiece): the same 8·bsh·(t−1)/t.
+    """
+    one = b * s * h * ring_factor(t)
+    ops = {"all-gather": 4, "reduce-scatter": 4} if sequence_parallel else {"all-reduce": 4}
+    return {"ops": ops, "elements": 8 * one}
+
+
+def ulysses_comm_elements_per_layer(
+    tokens: int, h: int, p: int, kv_dim: int | None = None
+) -> dict[str, float]:
+    """DeepSpeed-Ulysses all-to-all traffic per layer per device (``tokens`` = b·s).
+
+    Forward: 4 all-to-alls (q, k, v from sequence- to head-sharded; the output back), each
+    holding tokens·h/P elements per device → 4·tokens·h/P (paper: 4Nh/P per link); backward
+    the same again. ``kv_dim`` (n_kv_heads·head_dim under GQA) shrinks the k and v messages.
+    ``elements`` is the held (operand) volume; ``wire`` multiplies by (P−1)/P.
+    """
+    kv = h if kv_dim is None else kv_dim
+    fwd = (2 * h + 2 * kv) * tokens / p
+    return {"forward": fwd, "backward": fwd, "elements": 2 * fwd, "wire": 2 * fwd * ring_factor(p)}
+
+
+def ring_attention_comm_elements_per_layer(tokens: int, kv_dim: int, p: int) -> dict[str, float]:
+    """Ring-attention traffic per layer per device (``tokens`` = b·s, ``kv_dim`` = kv width).
+
+    Forward: each device passes its K and V blocks (tokens/P × kv_dim each) P−1 times
+    → 2·(P−1)·tokens·kv_dim/P. Backward (as in ring/flash implementations) circulates K, V
+    and the dK, dV accumulators: twice the forward.
+    """
+    fwd = 2 * (p - 1) * tokens * kv_dim / p
+    return {"forward": fwd, "backward": 2 * fwd, "elements": 3 * fwd}
+
+
+def pp_p2p_elements(b: int, s: int, h: int, t: int = 1, sequence_parallel: bool = False) -> float:
+    """Elements a stage boundary carries per micro-batch each way (activations forward,
+    their gradients backward): b·s·h, or b·s·h/t per device when the residual stream is
+    sequence-sharded over tp (Megatron SP)."""
+    return b * s * h / (t if sequence_parallel else 1)
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs and MFU
+
+
+def matmul_params(model: ModelConfig) -> int:
+    """Parameters that take part in matmuls: all but the input embedding (a gather); with tied
+    embeddings the shared matrix counts once, as the head."""
+    untied_embed = 0 if model.tied_embeddings else model.vocab_size * model.d_model
+    return model.param_count() - untied_embed
+
+
+def forward_flops_per_token(model: ModelConfig, seq: int) -> float:
+    """2Ψ + 4·l·h·s (PaLM App. B, forward third): Ψ = :func:`matmul_params`, h = heads·head_dim;
+    attention counted as non-causal (QKᵀ and AV, 2·2·h·s per layer per token)."""
+    return 2 * matmul_params(model) + 4 * model.n_layers * model.n_heads * model.hd * seq
+
+
+def train_flops_per_token(model: ModelConfig, seq: int) -> float:
+    """6Ψ + 12·l·h·s (PaLM App. B): forward + backward (2×) model FLOPs per token, excluding
+    recomputation (so MFU, not HFU)."""
+    return 3 * forward_flops_per_token(model, seq)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, n_devices: int, peak: float) -> float:
+    """Model FLOPs utilisation: tokens/s · FLOPs/token ÷ (devices · peak FLOP/s per device)."""
+    return tokens_per_s * flops_per_token / (n_devices * peak)
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline bubble
+
+
+def bubble_fraction(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float:
+    """Idle share of a pipeline step (Narayanan et al. 2021).
+
+    GPipe and 1F1B: (p−1)/(m+p−1) — both have bubble (p−1)/m of the ideal time; 1F1B only
+    lowers in-flight activations. Interleaved 1F1B: (p−1)/(v·m+p−1). Zero-bubble and DualPipe
+    figures come from the schedule library's tables.
+    """
+    if schedule in ("gpipe", "1f1b"):
+        v = 1
+    elif schedule != "interleaved":
+        raise ValueError(f"schedule={schedule!r}: use the schedule library's statistics")
+    return (p - 1) / (v * m + p - 1)
+
+
+def bubble_overhead(p: int, m: int, schedule: str = "1f1b", v: int = 1) -> float:
+    """Bubble relative to the ideal (bubble-free) time: (p−1)/m, interleaved (p−1)/(v·m)."""
+    f = bubble_fraction(p, m, schedule, v)
+    return f / (1 - f) if f < 1 else math.inf
