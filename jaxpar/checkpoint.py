@@ -26,8 +26,9 @@ class Checkpointer:
     def __init__(self, directory: str | Path, keep: int = 3, every: int = 50):
         self.directory = Path(directory).absolute()
         self.every = every
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=False)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=False
+        )
         try:
             self._mgr = ocp.CheckpointManager(self.directory, options=options)
         except OSError as e:
@@ -51,7 +52,9 @@ class Checkpointer:
             saved = self._mgr.save(step, args=args, force=force)
             self._mgr.wait_until_finished()
         except OSError as e:
-            raise CheckpointError(f"checkpoint_dir={str(self.directory)!r}: save failed: {e}") from None
+            raise CheckpointError(
+                f"checkpoint_dir={str(self.directory)!r}: save failed: {e}"
+            ) from None
         return bool(saved)
 
     def read_meta(self, step: int) -> dict[str, Any]:
@@ -61,8 +64,9 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
         """Read a checkpoint into the shardings carried by ``abstract_state``."""
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                  meta=ocp.args.JsonRestore())
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+        )
         out = self._mgr.restore(step, args=args)
         return out["state"], dict(out["meta"])
 
@@ -74,8 +78,17 @@ class Checkpointer:
 def check_model_matches(meta: dict[str, Any], model: ModelConfig) -> None:
     """Refuse a checkpoint written for another model shape, naming the first difference."""
     saved = meta.get("model", {})
-    shape_fields = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
-                    "head_dim", "mlp", "tied_embeddings")
+    shape_fields = (
+        "n_layers",
+        "d_model",
+        "n_heads",
+        "n_kv_heads",
+        "d_ff",
+        "vocab_size",
+        "head_dim",
+        "mlp",
+        "tied_embeddings",
+    )
     mine = dataclasses.asdict(model)
     for f in shape_fields:
         if f in saved and saved[f] != mine[f]:

@@ -313,14 +313,19 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     multiply to it exactly.
     """
     m, lay, t = cfg.model, cfg.layout, cfg.train
-    for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
-                 "max_seq_len"):
+    for name in (
+        "n_layers",
+        "d_model",
+        "n_heads",
+        "n_kv_heads",
+        "d_ff",
+        "vocab_size",
+        "max_seq_len",
+    ):
         _positive(f"model.{name}", getattr(m, name))
     _one_of("model.mlp", m.mlp, ("swiglu", "gelu"))
     if m.n_heads % m.n_kv_heads:
-        raise ConfigError(
-            f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads}"
-        )
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads}")
     if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model}: must be divisible by n_heads={m.n_heads}")
     if m.hd % 2:
@@ -344,9 +349,7 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     for name in ("param_dtype", "compute_dtype", "reduce_dtype"):
         _one_of(f"layout.{name}", getattr(lay, name), DTYPES)
     if lay.tp > 1 and m.n_heads % lay.tp:
-        raise ConfigError(
-            f"layout.tp={lay.tp}: model.n_heads={m.n_heads} must be divisible by tp"
-        )
+        raise ConfigError(f"layout.tp={lay.tp}: model.n_heads={m.n_heads} must be divisible by tp")
     if lay.tp > 1 and m.d_ff % lay.tp:
         raise ConfigError(f"layout.tp={lay.tp}: model.d_ff={m.d_ff} must be divisible by tp")
     if m.n_layers % (lay.pp * lay.virtual):
@@ -355,8 +358,15 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             f"{lay.pp}*{lay.virtual}={lay.pp * lay.virtual}"
         )
 
-    for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every",
-                 "checkpoint_every", "keep_checkpoints"):
+    for name in (
+        "steps",
+        "global_batch",
+        "seq_len",
+        "eval_batches",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+    ):
         _positive(f"train.{name}", getattr(t, name))
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps}: must be >= 0")

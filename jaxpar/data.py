@@ -103,7 +103,12 @@ class Batches:
     """
 
     def __init__(self, corpus: Corpus, global_batch: int, seq_len: int, seed: int):
-        self.corpus, self.global_batch, self.seq_len, self.seed = corpus, global_batch, seq_len, seed
+        self.corpus, self.global_batch, self.seq_len, self.seed = (
+            corpus,
+            global_batch,
+            seq_len,
+            seed,
+        )
         for split in ("train", "heldout"):
             if len(getattr(corpus, split)) <= seq_len + 1:
                 raise ConfigError(

@@ -64,8 +64,7 @@ def make_mesh(layout: LayoutConfig, devices: Sequence | None = None):
         devices = jax.devices()
         if len(devices) != n:
             raise ConfigError(
-                f"layout pp*dp*sp*tp={n}: must equal the number of available devices "
-                f"{len(devices)}"
+                f"layout pp*dp*sp*tp={n}: must equal the number of available devices {len(devices)}"
             )
     devices = list(devices)
     if len(devices) != n:

@@ -44,14 +44,24 @@ class Progress:
         if enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=start, file=sys.stderr, unit="step",
-                             dynamic_ncols=True, leave=True)
+            self._bar = tqdm(
+                total=total,
+                initial=start,
+                file=sys.stderr,
+                unit="step",
+                dynamic_ncols=True,
+                leave=True,
+            )
 
     def update(self, step: int, loss: float, tokens_per_s: float, step_time: float) -> None:
         """Advance to ``step`` and show the latest figures."""
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}",
-                                  step_s=f"{step_time:.3f}", refresh=False)
+            self._bar.set_postfix(
+                loss=f"{loss:.4f}",
+                tok_s=f"{tokens_per_s:,.0f}",
+                step_s=f"{step_time:.3f}",
+                refresh=False,
+            )
             self._bar.update(step - self._bar.n)
 
     def note(self, text: str) -> None:
@@ -83,12 +93,21 @@ def device_memory(trainer) -> dict[str, Any]:
         out["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
     ma = trainer.compile_step().memory_analysis()
     if ma is not None:
-        est = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-               - ma.alias_size_in_bytes)
+        est = (
+            ma.argument_size_in_bytes
+            + ma.output_size_in_bytes
+            + ma.temp_size_in_bytes
+            - ma.alias_size_in_bytes
+        )
         out.setdefault("source", "compiled_estimate")
-        out.update({"argument_bytes": ma.argument_size_in_bytes,
-                    "output_bytes": ma.output_size_in_bytes,
-                    "temp_bytes": ma.temp_size_in_bytes, "alias_bytes": ma.alias_size_in_bytes,
-                    "estimate_bytes": est})
+        out.update(
+            {
+                "argument_bytes": ma.argument_size_in_bytes,
+                "output_bytes": ma.output_size_in_bytes,
+                "temp_bytes": ma.temp_size_in_bytes,
+                "alias_bytes": ma.alias_size_in_bytes,
+                "estimate_bytes": est,
+            }
+        )
     out["platform"] = jax.devices()[0].platform
     return out

@@ -169,11 +169,12 @@ def param_specs(logical_tree, shape_tree, rules: Rules, dp: int, shard_dp: bool)
 
 def named(mesh, spec_tree):
     """Map a tree of PartitionSpecs to NamedShardings on ``mesh``."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=lambda x: isinstance(x, P)
+    )
 
 
-def match_param_tree(tree, param_specs_tree, default: P = P()):
+def match_param_tree(tree, param_specs_tree, default: P | None = None):
     """Specs for a tree that embeds parameter-shaped subtrees (e.g. optax state).
 
     A leaf whose key path ends with a parameter's key path gets that parameter's spec (Adam's
@@ -182,9 +183,11 @@ def match_param_tree(tree, param_specs_tree, default: P = P()):
     flat_params = {
         _keys(path): spec
         for path, spec in jax.tree_util.tree_flatten_with_path(
-            param_specs_tree, is_leaf=lambda x: isinstance(x, P))[0]
+            param_specs_tree, is_leaf=lambda x: isinstance(x, P)
+        )[0]
     }
     longest = max((len(k) for k in flat_params), default=0)
+    default = P() if default is None else default
 
     def pick(path, leaf):
         keys = _keys(path)

@@ -15,8 +15,16 @@ from jaxpar import config as C  # noqa: E402
 def small_config(**layout) -> C.RunConfig:
     """A run small enough to compile and step in about a second on 2 cores."""
     cfg = C.load("tiny", "cpu-8")
-    cfg.model = C.ModelConfig(name="test", n_layers=4, d_model=64, n_heads=4, n_kv_heads=2,
-                              d_ff=128, vocab_size=256, max_seq_len=64)
+    cfg.model = C.ModelConfig(
+        name="test",
+        n_layers=4,
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=128,
+        vocab_size=256,
+        max_seq_len=64,
+    )
     cfg.train.global_batch = 16
     cfg.train.seq_len = 32
     cfg.train.steps = 5

@@ -53,8 +53,11 @@ def test_missing_data_file(capsys):
 
 def test_bad_values_each_name_the_field():
     cases = {
-        "layout.zero": 4, "layout.remat": "most", "layout.schedule": "2f2b",
-        "train.seq_len": 100000, "layout.microbatches": 3,
+        "layout.zero": 4,
+        "layout.remat": "most",
+        "layout.schedule": "2f2b",
+        "train.seq_len": 100000,
+        "layout.microbatches": 3,
     }
     for field, value in cases.items():
         cfg = C.load("tiny", "cpu-8")
@@ -67,7 +70,12 @@ def test_bad_values_each_name_the_field():
 
 def test_published_shapes():
     # Parameter counts of the published models follow from their shapes.
-    expect = {"llama2-7b": 6.74e9, "llama2-70b": 68.98e9, "llama3-8b": 8.03e9,
-              "llama3-405b": 405.85e9, "gpt2-124m": 123.6e6}
+    expect = {
+        "llama2-7b": 6.74e9,
+        "llama2-70b": 68.98e9,
+        "llama3-8b": 8.03e9,
+        "llama3-405b": 405.85e9,
+        "gpt2-124m": 123.6e6,
+    }
     for name, n in expect.items():
         assert abs(C.load_model(name).param_count() / n - 1) < 0.003, name

@@ -40,14 +40,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="model name (models/NAME.yaml) or YAML path")
     p.add_argument("--mesh", default="cpu-8", help="mesh name (meshes/NAME.yaml) or YAML path")
     for name, (_, typ, text) in FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
-                       help=text)
-    p.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="Megatron sequence parallelism over tp")
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=text)
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        default=None,
+        help="Megatron sequence parallelism over tp",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("-o", "--override", action="append", default=[], metavar="FIELD=VALUE",
-                   help="set any config field, e.g. -o train.warmup_steps=10 -o layout.zero=3")
+    p.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="set any config field, e.g. -o train.warmup_steps=10 -o layout.zero=3",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
 
 
@@ -93,10 +102,15 @@ def run(args: argparse.Namespace) -> int:
         emit_json(result)
     else:
         lay = cfg.layout
-        print(f"model {cfg.model.name} ({cfg.model.param_count() / 1e6:.1f} M params) on "
-              f"{result['devices']} {result['platform']} devices: pp={lay.pp} dp={lay.dp} "
-              f"sp={lay.sp} tp={lay.tp} zero={lay.zero}")
-        print(f"final loss {result['final_loss']:.4f}, held-out loss "
-              f"{result['eval_loss'] if result['eval_loss'] is None else round(result['eval_loss'], 4)}"
-              f", {result['tokens_per_s']:,.0f} tokens/s, {result['step_time_s'] * 1e3:.1f} ms/step")
+        print(
+            f"model {cfg.model.name} ({cfg.model.param_count() / 1e6:.1f} M params) on "
+            f"{result['devices']} {result['platform']} devices: pp={lay.pp} dp={lay.dp} "
+            f"sp={lay.sp} tp={lay.tp} zero={lay.zero}"
+        )
+        ev = result["eval_loss"]
+        print(
+            f"final loss {result['final_loss']:.4f}, held-out loss "
+            f"{'n/a' if ev is None else f'{ev:.4f}'}, {result['tokens_per_s']:,.0f} tokens/s, "
+            f"{result['step_time_s'] * 1e3:.1f} ms/step"
+        )
     return 0 if result["stopped"] is None else 3

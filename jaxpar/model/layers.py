@@ -66,23 +66,37 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, k, dh, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.init_std
-        self.wq = nnx.Param(_normal(rngs, (d, h, dh), std), logical_axes=("embed", "heads", "head_dim"))
-        self.wk = nnx.Param(_normal(rngs, (d, k, dh), std), logical_axes=("embed", "kv_heads", "head_dim"))
-        self.wv = nnx.Param(_normal(rngs, (d, k, dh), std), logical_axes=("embed", "kv_heads", "head_dim"))
+        self.wq = nnx.Param(
+            _normal(rngs, (d, h, dh), std), logical_axes=("embed", "heads", "head_dim")
+        )
+        self.wk = nnx.Param(
+            _normal(rngs, (d, k, dh), std), logical_axes=("embed", "kv_heads", "head_dim")
+        )
+        self.wv = nnx.Param(
+            _normal(rngs, (d, k, dh), std), logical_axes=("embed", "kv_heads", "head_dim")
+        )
         # Scaled init of the residual projections (GPT-2): std / sqrt(2 * layers).
         out_std = std / (2 * cfg.n_layers) ** 0.5
-        self.wo = nnx.Param(_normal(rngs, (h, dh, d), out_std), logical_axes=("heads", "head_dim", "embed"))
+        self.wo = nnx.Param(
+            _normal(rngs, (h, dh, d), out_std), logical_axes=("heads", "head_dim", "embed")
+        )
         self.theta = cfg.rope_theta
 
     def __call__(self, x_BxSxD: jax.Array, positions_S: jax.Array) -> jax.Array:
         dt = x_BxSxD.dtype
         # Heads on tp: each TP rank computes its heads from the replicated input (no collective).
-        q = constrain(jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wq[...].astype(dt)),
-                      ("batch", "seq", "heads", "head_dim"))
-        k = constrain(jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wk[...].astype(dt)),
-                      ("batch", "seq", "kv_heads", "head_dim"))
-        v = constrain(jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wv[...].astype(dt)),
-                      ("batch", "seq", "kv_heads", "head_dim"))
+        q = constrain(
+            jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wq[...].astype(dt)),
+            ("batch", "seq", "heads", "head_dim"),
+        )
+        k = constrain(
+            jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wk[...].astype(dt)),
+            ("batch", "seq", "kv_heads", "head_dim"),
+        )
+        v = constrain(
+            jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wv[...].astype(dt)),
+            ("batch", "seq", "kv_heads", "head_dim"),
+        )
         q, k = rope(q, positions_S, self.theta), rope(k, positions_S, self.theta)
         o_BxSxHxDh = causal_attention(q, k, v)
         o_BxSxHxDh = constrain(o_BxSxHxDh, ("batch", "seq", "heads", "head_dim"))
@@ -100,8 +114,9 @@ class MLP(nnx.Module):
         if cfg.mlp == "swiglu":
             self.w_gate = nnx.Param(_normal(rngs, (d, f), std), logical_axes=("embed", "mlp"))
         self.w_up = nnx.Param(_normal(rngs, (d, f), std), logical_axes=("embed", "mlp"))
-        self.w_down = nnx.Param(_normal(rngs, (f, d), std / (2 * cfg.n_layers) ** 0.5),
-                                logical_axes=("mlp", "embed"))
+        self.w_down = nnx.Param(
+            _normal(rngs, (f, d), std / (2 * cfg.n_layers) ** 0.5), logical_axes=("mlp", "embed")
+        )
 
     def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
         dt = x_BxSxD.dtype

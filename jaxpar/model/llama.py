@@ -79,8 +79,11 @@ class _Full(nnx.Module):
 
 
 def _logical(state: nnx.State) -> Any:
-    return jax.tree.map(lambda v: v.get_metadata()["logical_axes"], state,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(
+        lambda v: v.get_metadata()["logical_axes"],
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
 
 class Model:
@@ -108,14 +111,16 @@ class Model:
 
     def abstract(self) -> Params:
         """Shape/dtype tree of the parameters."""
-        return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
-                            nnx.to_pure_dict(self._abstract_state))
+        return jax.tree.map(
+            lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(self._abstract_state)
+        )
 
     def logical_axes(self) -> Params:
         """Logical axes of every parameter; stacked layers get a leading ``layers`` axis."""
         tree = nnx.to_pure_dict(_logical(self._abstract_state))
-        tree["layers"] = jax.tree.map(lambda ax: ("layers", *ax), tree["layers"],
-                                      is_leaf=lambda x: isinstance(x, tuple))
+        tree["layers"] = jax.tree.map(
+            lambda ax: ("layers", *ax), tree["layers"], is_leaf=lambda x: isinstance(x, tuple)
+        )
         return tree
 
     def _bind(self, name: str, params: Params) -> nnx.Module:
@@ -134,8 +139,13 @@ class Model:
         """One decoder block on one layer's parameters (no leading layer axis)."""
         return self._bind("block", layer_params)(x_BxSxD, positions_S)
 
-    def blocks(self, stacked: Params, x_BxSxD: jax.Array, positions_S: jax.Array,
-               wrap: Callable[[Callable], Callable] | None = None) -> jax.Array:
+    def blocks(
+        self,
+        stacked: Params,
+        x_BxSxD: jax.Array,
+        positions_S: jax.Array,
+        wrap: Callable[[Callable], Callable] | None = None,
+    ) -> jax.Array:
         """Apply a stack of blocks with ``lax.scan`` (compile time independent of depth).
 
         ``wrap`` transforms the per-layer body, e.g. ``jax.checkpoint`` with a remat policy.
@@ -156,8 +166,14 @@ class Model:
         """Mean cross entropy of the last hidden states against the targets."""
         return cross_entropy(self.logits(params, x_BxSxD), targets_BxS)
 
-    def loss(self, params: Params, tokens_BxS: jax.Array, targets_BxS: jax.Array,
-             dtype=jnp.float32, wrap: Callable | None = None) -> jax.Array:
+    def loss(
+        self,
+        params: Params,
+        tokens_BxS: jax.Array,
+        targets_BxS: jax.Array,
+        dtype=jnp.float32,
+        wrap: Callable | None = None,
+    ) -> jax.Array:
         """Mean next-token loss of the whole model (the single-program path)."""
         positions_S = jnp.arange(tokens_BxS.shape[1])
         x = self.embed(params, tokens_BxS, dtype)

@@ -36,8 +36,10 @@ def _devices_for(cfg: C.RunConfig, devices):
 
 def evaluate(trainer: Trainer, params, batches: Batches, n: int) -> float:
     """Mean held-out loss over ``n`` fixed held-out batches."""
-    losses = [trainer.eval_loss(params, batches.global_array(i, trainer.batch_sharding, "heldout"))
-              for i in range(n)]
+    losses = [
+        trainer.eval_loss(params, batches.global_array(i, trainer.batch_sharding, "heldout"))
+        for i in range(n)
+    ]
     return float(np.mean([float(x) for x in losses]))
 
 
@@ -69,14 +71,24 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
     else:
         state = trainer.init_state(t.seed)
 
-    metrics_path = t.metrics_file or (f"{t.checkpoint_dir}/metrics.jsonl" if t.checkpoint_dir else None)
+    metrics_path = t.metrics_file or (
+        f"{t.checkpoint_dir}/metrics.jsonl" if t.checkpoint_dir else None
+    )
     log = MetricsLog(metrics_path)
     t0 = time.perf_counter()
     trainer.compile_step()
     compile_s = time.perf_counter() - t0
     memory = device_memory(trainer)
-    log.write({"event": "start", "step": start, "layout": dataclasses.asdict(cfg.layout),
-               "params": cfg.model.param_count(), "compile_s": compile_s, "memory": memory})
+    log.write(
+        {
+            "event": "start",
+            "step": start,
+            "layout": dataclasses.asdict(cfg.layout),
+            "params": cfg.model.param_count(),
+            "compile_s": compile_s,
+            "memory": memory,
+        }
+    )
 
     tokens_per_step = t.global_batch * t.seq_len
     progress = Progress(t.steps, start, enabled=t.progress and not quiet)
@@ -92,14 +104,22 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         finite = bool(m["finite"])
         times.append(dt)
         losses.append(loss)
-        rec = {"step": step + 1, "loss": loss, "grad_norm": float(m["grad_norm"]),
-               "lr": float(m["lr"]), "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+        rec = {
+            "step": step + 1,
+            "loss": loss,
+            "grad_norm": float(m["grad_norm"]),
+            "lr": float(m["lr"]),
+            "step_time_s": dt,
+            "tokens_per_s": tokens_per_step / dt,
+        }
         if not finite:
             skipped += 1
             rec["nonfinite"] = True
             log.write(rec)
             if t.on_nonfinite == "stop":
-                stopped = f"non-finite loss or gradient at step {step + 1}; update skipped, stopping"
+                stopped = (
+                    f"non-finite loss or gradient at step {step + 1}; update skipped, stopping"
+                )
                 print(f"jaxpar: {stopped}", file=sys.stderr)
                 break
             continue
@@ -143,8 +163,13 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
 
 
 def _meta(cfg: C.RunConfig, step: int) -> dict[str, Any]:
-    return {"step": step, "data_position": step, "model": dataclasses.asdict(cfg.model),
-            "layout": dataclasses.asdict(cfg.layout), "seed": cfg.train.seed}
+    return {
+        "step": step,
+        "data_position": step,
+        "model": dataclasses.asdict(cfg.model),
+        "layout": dataclasses.asdict(cfg.layout),
+        "seed": cfg.train.seed,
+    }
 
 
 def _open_checkpoints(cfg: C.RunConfig) -> Checkpointer | None:

@@ -27,19 +27,24 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 def lr_schedule(t: TrainConfig) -> optax.Schedule:
     """Linear warm-up to ``lr`` then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
-        decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio,
+        init_value=0.0,
+        peak_value=t.lr,
+        warmup_steps=t.warmup_steps,
+        decay_steps=max(t.steps, t.warmup_steps + 1),
+        end_value=t.lr * t.min_lr_ratio,
     )
 
 
 def make_optimizer(t: TrainConfig, logical_axes: Any) -> optax.GradientTransformation:
     """AdamW with global-norm clipping; no weight decay on norm scales."""
-    decay_mask = jax.tree.map(lambda ax: bool(set(ax) - {"layers", "embed"}), logical_axes,
-                              is_leaf=lambda x: isinstance(x, tuple))
+    decay_mask = jax.tree.map(
+        lambda ax: bool(set(ax) - {"layers", "embed"}),
+        logical_axes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
     return optax.chain(
         optax.clip_by_global_norm(t.grad_clip),
-        optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
-                    mask=decay_mask),
+        optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask),
     )
 
 
@@ -55,7 +60,8 @@ def remat_wrap(policy: str) -> Callable[[Callable], Callable] | None:
         return lambda f: jax.checkpoint(f, prevent_cse=False)
     if policy == "selective":
         return lambda f: jax.checkpoint(
-            f, prevent_cse=False, policy=jax.checkpoint_policies.checkpoint_dots)
+            f, prevent_cse=False, policy=jax.checkpoint_policies.checkpoint_dots
+        )
     raise ValueError(f"layout.remat={policy!r}: not supported by this step")
 
 
@@ -94,10 +100,16 @@ class Trainer:
         # Tokens [B, S+1]: rows over dp; sequence sharding happens on activations inside.
         self.batch_sharding = NamedSharding(mesh, P("dp", None))
         self.compute_dtype = DTYPES[lay.compute_dtype]
-        self._step = jax.jit(self._step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
-                             out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+        self._step = jax.jit(
+            self._step_fn,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, None),
+            donate_argnums=(0,),
+        )
         self._compiled = None
-        self._eval = jax.jit(self._eval_fn, in_shardings=(self.param_shardings, self.batch_sharding))
+        self._eval = jax.jit(
+            self._eval_fn, in_shardings=(self.param_shardings, self.batch_sharding)
+        )
         self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
 
     @property
@@ -108,8 +120,11 @@ class Trainer:
     def abstract_state(self) -> State:
         """ShapeDtypeStructs with shardings of the whole state (checkpoint restore target)."""
         shapes = jax.eval_shape(self._init_fn, jax.random.key(0))
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            shapes, self.state_shardings)
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            shapes,
+            self.state_shardings,
+        )
 
     # ---- traced functions -------------------------------------------------------------------
 
@@ -119,8 +134,9 @@ class Trainer:
 
     def loss_fn(self, params, tokens_BxS, targets_BxS) -> jax.Array:
         """Mean loss of one (micro-)batch under the layout's precision and remat policy."""
-        return self.model.loss(params, tokens_BxS, targets_BxS, self.compute_dtype,
-                               remat_wrap(self.cfg.layout.remat))
+        return self.model.loss(
+            params, tokens_BxS, targets_BxS, self.compute_dtype, remat_wrap(self.cfg.layout.remat)
+        )
 
     def grads_fn(self, params, batch_BxT) -> tuple[jax.Array, Any]:
         """Mean loss and gradients over the batch, accumulated over micro-batches."""
@@ -148,15 +164,18 @@ class Trainer:
     def _step_fn(self, state: State, batch_BxT: jax.Array):
         params, opt = state["params"], state["opt"]
         loss, grads = self.grads_fn(params, batch_BxT)
-        gnorm = optax.global_norm(grads)
+        gnorm = optax.tree.norm(grads)
         updates, new_opt = self.tx.update(grads, opt, params)
         new_params = optax.apply_updates(params, updates)
         # A non-finite loss or gradient never reaches the state: the update is skipped here and
         # the loop applies the user's policy (skip or stop) from the flag.
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-        new_state = {"params": keep(new_params, params), "opt": keep(new_opt, opt),
-                     "step": state["step"] + 1}
+        new_state = {
+            "params": keep(new_params, params),
+            "opt": keep(new_opt, opt),
+            "step": state["step"] + 1,
+        }
         lr = lr_schedule(self.cfg.train)(state["step"])
         return new_state, {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": ok}
 
@@ -199,7 +218,10 @@ class Trainer:
             return self._compiled
         with self._ctx():
             abstract = self.abstract_state()
-            batch = jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.train.seq_len + 1),
-                                         jnp.int32, sharding=self.batch_sharding)
+            batch = jax.ShapeDtypeStruct(
+                (self.cfg.train.global_batch, self.cfg.train.seq_len + 1),
+                jnp.int32,
+                sharding=self.batch_sharding,
+            )
             self._compiled = self._step.lower(abstract, batch).compile()
         return self._compiled
