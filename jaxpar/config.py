@@ -149,6 +149,10 @@ class TrainConfig:
     metrics_file: str | None = None
     on_nonfinite: str = "stop"
     progress: bool = True
+    profile_steps: str | None = None  # "A:B": jax.profiler trace of steps A..B (from 1)
+    profile_dir: str | None = None  # where the trace goes (default ./jaxpar_profile)
+    init_from_hf: str | None = None  # Hugging Face Llama directory to start from
+    export_hf: str | None = None  # write the final weights as a Hugging Face Llama directory
 
 
 @dataclass

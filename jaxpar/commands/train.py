@@ -32,12 +32,21 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "remat": ("layout.remat", str, "none | full | selective | offload"),
     "offload": ("layout.offload", str, "none | optimizer | params"),
     "compute_dtype": ("layout.compute_dtype", str, "float32 | bfloat16"),
+    "profile_steps": ("train.profile_steps", str, "A:B: write a jax.profiler trace of steps A..B"),
+    "profile_dir": ("train.profile_dir", str, "directory of the profiler trace"),
+    "init_from_hf": ("train.init_from_hf", str, "start from a Hugging Face Llama directory"),
+    "export_hf": ("train.export_hf", str, "write the final weights as a Hugging Face directory"),
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``jaxpar train``."""
-    p.add_argument("--model", default="tiny", help="model name (models/NAME.yaml) or YAML path")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model name (models/NAME.yaml) or YAML path (default: tiny, or the shape of "
+        "--init-from-hf)",
+    )
     p.add_argument("--mesh", default="cpu-8", help="mesh name (meshes/NAME.yaml) or YAML path")
     for name, (_, typ, text) in FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=text)
@@ -58,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="set any config field, e.g. -o train.warmup_steps=10 -o layout.zero=3",
     )
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
+    g = p.add_argument_group("multi-host (else JAXPAR_COORDINATOR/..., or SLURM variables)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    g.add_argument("--process-id", type=int, default=None, help="this process's id, 0..N-1")
 
 
 def build_config(args: argparse.Namespace):
@@ -65,7 +78,11 @@ def build_config(args: argparse.Namespace):
     from jaxpar import config as C
     from jaxpar.errors import ConfigError
 
-    cfg = C.load(args.model, args.mesh)
+    cfg = C.load(args.model or "tiny", args.mesh)
+    if args.model is None and args.init_from_hf:
+        from jaxpar.model.hf import model_config
+
+        cfg.model = model_config(args.init_from_hf)
     for name, (dotted, _, _) in FLAGS.items():
         value = getattr(args, name)
         if value is not None:
@@ -87,17 +104,20 @@ def build_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Validate, set up devices, train, report."""
     from jaxpar import config as C
-    from jaxpar.devices import simulate_cpu_devices
+    from jaxpar.distributed import setup
     from jaxpar.report import emit_json
 
     cfg = build_config(args)
     C.validate(cfg, n_devices=cfg.mesh.devices)
-    if cfg.mesh.hardware.platform == "cpu":
-        simulate_cpu_devices(cfg.mesh.devices)
+    pc = setup(
+        cfg.mesh.hardware, cfg.mesh.devices, args.coordinator, args.num_processes, args.process_id
+    )
 
     from jaxpar.train.loop import run as train_run
 
     result = train_run(cfg)
+    if pc is not None and pc.process_id != 0:
+        return 0 if result["stopped"] is None else 3  # process 0 reports
     if args.json:
         emit_json(result)
     else:

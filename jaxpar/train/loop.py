@@ -17,6 +17,7 @@ from jaxpar.data import Batches, load_corpus
 from jaxpar.devices import make_mesh
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.metrics import MetricsLog, Progress, device_memory
+from jaxpar.profiling import StepProfiler
 from jaxpar.train.step import Trainer
 
 
@@ -58,6 +59,7 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
             f"({corpus.vocab_size})"
         )
     batches = Batches(corpus, t.global_batch, t.seq_len, t.seed)
+    profiler = StepProfiler.from_config(t)
     ckpt = _open_checkpoints(cfg)
     devices = _devices_for(cfg, devices)
     mesh = make_mesh(cfg.layout, devices)
@@ -70,6 +72,10 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         state, _ = ckpt.restore(start, trainer.abstract_state())
     else:
         state = trainer.init_state(t.seed)
+        if t.init_from_hf:
+            from jaxpar.model import hf
+
+            state["params"] = hf.load(t.init_from_hf, cfg.model, trainer.param_shardings)
 
     metrics_path = t.metrics_file or (
         f"{t.checkpoint_dir}/metrics.jsonl" if t.checkpoint_dir else None
@@ -97,10 +103,12 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
     stopped = None
     for step in range(start, t.steps):
         batch = batches.global_array(step, trainer.batch_sharding)
+        profiler.begin(step + 1)
         t1 = time.perf_counter()
         state, m = trainer.step(state, batch)
         loss = float(m["loss"])
         dt = time.perf_counter() - t1
+        profiler.end(step + 1)
         finite = bool(m["finite"])
         times.append(dt)
         losses.append(loss)
@@ -134,6 +142,11 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         if ckpt is not None:
             ckpt.save(done, state, _meta(cfg, done), force=done == t.steps)
     progress.close()
+    profiler.close()
+    if t.export_hf:
+        from jaxpar.model import hf
+
+        hf.export(state["params"], cfg.model, t.export_hf)
     if ckpt is not None:
         ckpt.close()
     log.close()
@@ -159,6 +172,8 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         "mesh": cfg.mesh.name,
         "devices": len(devices),
         "platform": devices[0].platform,
+        "processes": jax.process_count(),
+        "profiled_steps": profiler.traced,
     }
 
 

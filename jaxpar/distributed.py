@@ -1,0 +1,250 @@
+"""Multi-host runs through JAX's own distributed runtime (``jax.distributed.initialize``).
+
+One jaxpar process runs per host (or per GPU); together they form one program over the global
+device mesh. This module finds out which process this is and connects it to the others, before
+JAX starts its backend:
+
+1. explicit arguments (``jaxpar train --coordinator HOST:PORT --num-processes N --process-id I``),
+2. else the ``JAXPAR_COORDINATOR`` / ``JAXPAR_NUM_PROCESSES`` / ``JAXPAR_PROCESS_ID`` environment
+   (set by ``jaxpar launch --local N``; ``JAXPAR_LOCAL_DEVICES`` simulates CPU devices per process),
+3. else SLURM (``SLURM_NTASKS`` > 1): JAX's own cluster detection takes the coordinator from the
+   first node of the step and the process id from ``SLURM_PROCID``.
+
+Nothing else in jaxpar changes for many processes: the mesh spans ``jax.devices()`` (all
+processes), each process builds only the batch rows of its own devices
+(``jax.make_array_from_callback`` in :mod:`jaxpar.data`), only process 0 writes metrics, and orbax
+coordinates checkpoint writes across processes.
+
+Failure modes are reported, not hung on: XLA aborts the whole process (no Python exception) when
+the coordinator cannot be reached, so a non-coordinator process first waits for the coordinator's
+TCP port itself, up to the timeout, and raises :class:`DistributedError` with what to check.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from jaxpar.errors import ConfigError, JaxparError
+
+DEFAULT_TIMEOUT_S = 300
+
+
+class DistributedError(JaxparError):
+    """The processes of a multi-host run could not be connected."""
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """Where this process sits in a multi-process run."""
+
+    coordinator: str | None  # HOST:PORT of process 0's coordination service (None: SLURM detects)
+    num_processes: int
+    process_id: int
+    local_devices: int | None = None  # simulated CPU devices of this process (CPU runs only)
+    source: str = "flags"  # "flags", "env" or "slurm"
+    timeout_s: int = DEFAULT_TIMEOUT_S
+
+
+def _int(value: str | int | None, where: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}={value!r}: expected an integer") from None
+
+
+def _check_address(addr: str, where: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}={addr!r}: expected HOST:PORT (e.g. 10.0.0.1:1234)")
+
+
+def process_config(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_devices: int | None = None,
+    timeout_s: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ProcessConfig | None:
+    """This process's place in a multi-process run, or None for a single-process run.
+
+    Explicit arguments win over ``JAXPAR_*`` variables, which win over SLURM's. Bad values raise
+    a one-line :class:`ConfigError` naming the setting (e.g. a process id out of range).
+    """
+    env = os.environ if env is None else env
+    timeout = _int(timeout_s, "timeout") or _int(
+        env.get("JAXPAR_INIT_TIMEOUT"), "JAXPAR_INIT_TIMEOUT"
+    )
+    timeout = timeout or DEFAULT_TIMEOUT_S
+    explicit = any(v is not None for v in (coordinator, num_processes, process_id))
+    source = "flags" if explicit else "env"
+    coord = coordinator if explicit else env.get("JAXPAR_COORDINATOR")
+    n = num_processes if explicit else _int(env.get("JAXPAR_NUM_PROCESSES"), "JAXPAR_NUM_PROCESSES")
+    pid = process_id if explicit else _int(env.get("JAXPAR_PROCESS_ID"), "JAXPAR_PROCESS_ID")
+    local = local_devices or _int(env.get("JAXPAR_LOCAL_DEVICES"), "JAXPAR_LOCAL_DEVICES")
+    if not explicit and coord is None and n is None and pid is None:
+        slurm_n = _int(env.get("SLURM_NTASKS"), "SLURM_NTASKS")
+        if slurm_n is None or slurm_n <= 1:
+            return None
+        n, pid, source = slurm_n, _int(env.get("SLURM_PROCID"), "SLURM_PROCID"), "slurm"
+        if pid is None:
+            raise ConfigError("SLURM_PROCID: not set although SLURM_NTASKS > 1")
+    name = {
+        "flags": {"n": "--num-processes", "pid": "--process-id", "coord": "--coordinator"},
+        "env": {
+            "n": "JAXPAR_NUM_PROCESSES",
+            "pid": "JAXPAR_PROCESS_ID",
+            "coord": "JAXPAR_COORDINATOR",
+        },
+        "slurm": {"n": "SLURM_NTASKS", "pid": "SLURM_PROCID", "coord": ""},
+    }[source]
+    if n is None or n < 1:
+        raise ConfigError(f"{name['n']}={n!r}: must be a positive integer (number of processes)")
+    if pid is None:
+        raise ConfigError(f"{name['pid']}: not set (this process's id, 0..{n - 1})")
+    if not 0 <= pid < n:
+        raise ConfigError(f"{name['pid']}={pid}: must be in 0..{n - 1} (num_processes={n})")
+    if source != "slurm":
+        if coord is None:
+            raise ConfigError(f"{name['coord']}: not set (HOST:PORT of process 0)")
+        _check_address(coord, name["coord"])
+    if local is not None and local < 1:
+        raise ConfigError(f"JAXPAR_LOCAL_DEVICES={local}: must be a positive integer")
+    return ProcessConfig(coord, n, pid, local, source, timeout)
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Block until ``address`` accepts TCP connections, or raise :class:`DistributedError`."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout_s
+    last: OSError | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as e:  # refused, unreachable, unresolvable: retry until the deadline
+            last = e
+            time.sleep(0.2)
+    raise DistributedError(
+        f"coordinator {address}: not reachable within {timeout_s:g}s ({last}); check that "
+        "process 0 is running, the address and port, and the firewall"
+    )
+
+
+def initialize(pc: ProcessConfig, platform: str = "cpu") -> None:
+    """Connect this process to the others; call before JAX starts its backend.
+
+    On CPU, cross-process collectives go through gloo and ``pc.local_devices`` CPU devices are
+    simulated in this process.
+    """
+    import jax
+
+    from jaxpar.devices import simulate_cpu_devices
+
+    if platform == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if pc.local_devices:
+            simulate_cpu_devices(pc.local_devices)
+    if pc.source == "slurm":
+        # JAX reads SLURM_STEP_NODELIST / SLURM_PROCID / SLURM_LOCALID itself (GPU ids too).
+        jax.distributed.initialize(initialization_timeout=pc.timeout_s)
+        return
+    assert pc.coordinator is not None
+    if pc.process_id != 0:
+        wait_for_coordinator(pc.coordinator, pc.timeout_s)
+    jax.distributed.initialize(
+        coordinator_address=pc.coordinator,
+        num_processes=pc.num_processes,
+        process_id=pc.process_id,
+        initialization_timeout=pc.timeout_s,
+        cluster_detection_method="deactivate",
+    )
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for local multi-process runs and tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- before JAX starts: XLA flags, devices, processes ---------------------------------------
+
+
+def target_platform(env: Mapping[str, str] | None = None) -> str:
+    """The platform JAX will pick, guessed without starting JAX: ``JAX_PLATFORMS`` when set,
+    else ``gpu`` when a CUDA/ROCm plugin of jaxlib is installed, else ``cpu``."""
+    import importlib.util
+
+    env = os.environ if env is None else env
+    first = env.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if first:
+        return "gpu" if first in ("cuda", "rocm", "gpu") else first
+    for plugin in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin"):
+        if importlib.util.find_spec(plugin) is not None:
+            return "gpu"
+    return "cpu"
+
+
+def apply_xla_flags(platform: str, flags: list[str], env: dict | None = None) -> list[str]:
+    """Add a mesh file's ``hardware.xla_flags`` to ``XLA_FLAGS`` when its platform is the one
+    JAX will run on; flags the user already set in ``XLA_FLAGS`` win. Returns the flags added.
+
+    XLA reads ``XLA_FLAGS`` once, when the backend starts, and aborts on an unknown flag, so this
+    runs before any JAX computation and the mesh files list only flags that the jaxlib binary
+    knows (tests/test_pods.py starts XLA with each of them).
+    """
+    env = os.environ if env is None else env
+    if not flags or platform != target_platform(env):
+        return []
+    have = env.get("XLA_FLAGS", "").split()
+    names = {f.split("=", 1)[0] for f in have}
+    added = [f for f in flags if f.split("=", 1)[0] not in names]
+    env["XLA_FLAGS"] = " ".join([*have, *added])
+    return added
+
+
+def setup(
+    hardware,
+    devices: int,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> ProcessConfig | None:
+    """Everything that must precede JAX's start for a run on ``devices`` devices in total.
+
+    Applies the platform's XLA flags, then either simulates ``devices`` CPU devices (one
+    process) or joins a multi-process run (each process simulating ``devices / processes``
+    CPU devices on CPU, or using its own GPUs).
+    """
+    from jaxpar.devices import simulate_cpu_devices
+
+    apply_xla_flags(hardware.platform, list(hardware.xla_flags))
+    pc = process_config(coordinator, num_processes, process_id)
+    if pc is None:
+        if hardware.platform == "cpu":
+            simulate_cpu_devices(devices)
+        return None
+    if hardware.platform == "cpu" and pc.local_devices is None:
+        if devices % pc.num_processes:
+            raise ConfigError(
+                f"mesh.devices={devices}: must be divisible by the number of processes "
+                f"{pc.num_processes} (each simulates devices/processes CPU devices)"
+            )
+        pc = ProcessConfig(
+            pc.coordinator,
+            pc.num_processes,
+            pc.process_id,
+            devices // pc.num_processes,
+            pc.source,
+            pc.timeout_s,
+        )
+    initialize(pc, hardware.platform)
+    return pc

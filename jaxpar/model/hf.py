@@ -1,0 +1,394 @@
+"""Hugging Face Llama checkpoints (``config.json`` + ``*.safetensors``) in and out of jaxpar.
+
+Name and layout mapping (HF ``nn.Linear`` weights are stored ``[out, in]``; jaxpar keeps
+``[in, out]`` with heads split out, and stacks the layers on a leading ``L`` axis):
+
+=============================================  =============================  ==================
+Hugging Face                                   jaxpar                         transform
+=============================================  =============================  ==================
+model.embed_tokens.weight ``[V, D]``           embed/table ``[V, D]``         as is
+model.layers.N.input_layernorm.weight          layers/attn_norm/scale [N]     as is
+model.layers.N.self_attn.q_proj.weight         layers/attn/wq [N] ``[D,H,Dh]``  ``w.T.reshape``
+model.layers.N.self_attn.{k,v}_proj.weight     layers/attn/{wk,wv} [N]        ``w.T.reshape``
+model.layers.N.self_attn.o_proj.weight         layers/attn/wo [N] ``[H,Dh,D]``  ``w.T.reshape``
+model.layers.N.post_attention_layernorm.weight layers/mlp_norm/scale [N]      as is
+model.layers.N.mlp.{gate,up,down}_proj.weight  layers/mlp/w_{gate,up,down}    ``w.T``
+model.norm.weight                              head/norm/scale                as is
+lm_head.weight ``[V, D]`` (absent when tied)   head/w_out ``[D, V]``          ``w.T``
+=============================================  =============================  ==================
+
+Rotary embeddings need no permutation: HF Llama's ``rotate_half`` pairs dimension ``i`` with
+``i + Dh/2`` — the half-split convention of :func:`jaxpar.model.layers.rope` — and both use
+frequencies ``theta^(-2i/Dh)``. Scaled RoPE variants (``rope_type`` other than ``default``),
+attention/MLP biases and activations other than SiLU are refused clearly.
+
+Loading is lazy and layout-aware: each parameter is created with
+``jax.make_array_from_callback`` in its target sharding, so a host reads only the tensors its
+own devices need. BF16 tensors (which numpy cannot name) are read through a memory map of the
+safetensors file with ``ml_dtypes.bfloat16``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxpar.config import ModelConfig
+from jaxpar.errors import ConfigError
+
+Params = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    hf: str  # HF tensor name; "{i}" for the layer index
+    path: tuple[str, ...]  # jaxpar param path
+    hf_shape: Callable[[ModelConfig], tuple[int, ...]]
+    to_jax: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.hf
+
+
+def _same(w: np.ndarray, _: ModelConfig) -> np.ndarray:
+    return w
+
+
+def _t(w: np.ndarray, _: ModelConfig) -> np.ndarray:
+    return np.ascontiguousarray(w.T)
+
+
+def _heads_in(n_heads: Callable[[ModelConfig], int]):
+    # [N*Dh, D] -> [D, N, Dh]
+    return lambda w, c: np.ascontiguousarray(w.T.reshape(c.d_model, n_heads(c), c.hd))
+
+
+def _heads_out(n_heads: Callable[[ModelConfig], int]):
+    # [D, N, Dh] -> [N*Dh, D]
+    return lambda w, c: np.ascontiguousarray(w.reshape(c.d_model, n_heads(c) * c.hd).T)
+
+
+def _entries(c: ModelConfig) -> list[_Entry]:
+    H = lambda c: c.n_heads  # noqa: E731
+    K = lambda c: c.n_kv_heads  # noqa: E731
+    L = "model.layers.{i}."
+    out = [
+        _Entry(
+            "model.embed_tokens.weight",
+            ("embed", "table"),
+            lambda c: (c.vocab_size, c.d_model),
+            _same,
+            _same,
+        ),
+        _Entry(
+            L + "input_layernorm.weight",
+            ("layers", "attn_norm", "scale"),
+            lambda c: (c.d_model,),
+            _same,
+            _same,
+        ),
+        _Entry(
+            L + "self_attn.q_proj.weight",
+            ("layers", "attn", "wq"),
+            lambda c: (c.n_heads * c.hd, c.d_model),
+            _heads_in(H),
+            _heads_out(H),
+        ),
+        _Entry(
+            L + "self_attn.k_proj.weight",
+            ("layers", "attn", "wk"),
+            lambda c: (c.n_kv_heads * c.hd, c.d_model),
+            _heads_in(K),
+            _heads_out(K),
+        ),
+        _Entry(
+            L + "self_attn.v_proj.weight",
+            ("layers", "attn", "wv"),
+            lambda c: (c.n_kv_heads * c.hd, c.d_model),
+            _heads_in(K),
+            _heads_out(K),
+        ),
+        _Entry(
+            L + "self_attn.o_proj.weight",
+            ("layers", "attn", "wo"),
+            lambda c: (c.d_model, c.n_heads * c.hd),
+            lambda w, c: np.ascontiguousarray(w.T.reshape(c.n_heads, c.hd, c.d_model)),
+            lambda w, c: np.ascontiguousarray(w.reshape(c.n_heads * c.hd, c.d_model).T),
+        ),
+        _Entry(
+            L + "post_attention_layernorm.weight",
+            ("layers", "mlp_norm", "scale"),
+            lambda c: (c.d_model,),
+            _same,
+            _same,
+        ),
+        _Entry(
+            L + "mlp.gate_proj.weight",
+            ("layers", "mlp", "w_gate"),
+            lambda c: (c.d_ff, c.d_model),
+            _t,
+            _t,
+        ),
+        _Entry(
+            L + "mlp.up_proj.weight",
+            ("layers", "mlp", "w_up"),
+            lambda c: (c.d_ff, c.d_model),
+            _t,
+            _t,
+        ),
+        _Entry(
+            L + "mlp.down_proj.weight",
+            ("layers", "mlp", "w_down"),
+            lambda c: (c.d_model, c.d_ff),
+            _t,
+            _t,
+        ),
+        _Entry(
+            "model.norm.weight", ("head", "norm", "scale"), lambda c: (c.d_model,), _same, _same
+        ),
+    ]
+    if not c.tied_embeddings:
+        out.append(
+            _Entry("lm_head.weight", ("head", "w_out"), lambda c: (c.vocab_size, c.d_model), _t, _t)
+        )
+    return out
+
+
+# ---- config.json ------------------------------------------------------------------------------
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``config.json`` as a dict."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"train.init_from_hf={str(directory)!r}: no config.json in the directory")
+    return json.loads(path.read_text())
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, str]:
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    return float(theta), str(kind)
+
+
+def model_config(directory: str | Path, name: str | None = None) -> ModelConfig:
+    """A jaxpar :class:`ModelConfig` with the shape of the checkpoint in ``directory``."""
+    hf = read_config(directory)
+    _check_supported(hf, directory)
+    d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    return ModelConfig(
+        name=name or Path(directory).name,
+        n_layers=int(hf["num_hidden_layers"]),
+        d_model=d,
+        n_heads=h,
+        n_kv_heads=int(hf.get("num_key_value_heads") or h),
+        d_ff=int(hf["intermediate_size"]),
+        vocab_size=int(hf["vocab_size"]),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        head_dim=int(hf["head_dim"]) if hf.get("head_dim") and hf["head_dim"] != d // h else None,
+        mlp="swiglu",
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_theta=_rope(hf)[0],
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    )
+
+
+def _check_supported(hf: dict[str, Any], directory: str | Path) -> None:
+    where = f"{Path(directory) / 'config.json'}"
+    checks = [
+        ("model_type", hf.get("model_type", "llama"), lambda v: v == "llama", "must be 'llama'"),
+        ("hidden_act", hf.get("hidden_act", "silu"), lambda v: v == "silu", "must be 'silu'"),
+        ("attention_bias", hf.get("attention_bias", False), lambda v: not v, "biases unsupported"),
+        ("mlp_bias", hf.get("mlp_bias", False), lambda v: not v, "biases unsupported"),
+        ("rope_type", _rope(hf)[1], lambda v: v == "default", "only unscaled RoPE is supported"),
+    ]
+    for key, value, ok, rule in checks:
+        if not ok(value):
+            raise ConfigError(f"{where}: {key}={value!r}: {rule}")
+
+
+def check_config(directory: str | Path, cfg: ModelConfig) -> None:
+    """Refuse a checkpoint whose config.json disagrees with ``cfg`` (naming the field)."""
+    if cfg.mlp != "swiglu":
+        raise ConfigError(f"model.mlp={cfg.mlp!r}: Hugging Face Llama weights need 'swiglu'")
+    theirs = model_config(directory, cfg.name)
+    for f in ("n_heads", "n_kv_heads", "hd", "tied_embeddings", "rope_theta", "norm_eps"):
+        a, b = getattr(theirs, f), getattr(cfg, f)
+        if (abs(a - b) > 1e-12 * abs(b)) if isinstance(b, float) else a != b:
+            raise ConfigError(
+                f"model.{'head_dim' if f == 'hd' else f}={b!r}: the Hugging Face config.json in "
+                f"{str(directory)!r} has {a!r}"
+            )
+
+
+# ---- safetensors ------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Tensors of every ``*.safetensors`` file of a directory, read on demand as numpy."""
+
+    def __init__(self, directory: str | Path):
+        from safetensors import safe_open
+
+        self.files = sorted(Path(directory).glob("*.safetensors"))
+        if not self.files:
+            raise ConfigError(f"train.init_from_hf={str(directory)!r}: no *.safetensors files")
+        self.where: dict[str, Path] = {}
+        self.meta: dict[str, tuple[list[int], str]] = {}
+        for p in self.files:
+            with safe_open(str(p), framework="np") as f:
+                for k in f.keys():
+                    s = f.get_slice(k)
+                    self.where[k] = p
+                    self.meta[k] = (list(s.get_shape()), s.get_dtype())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.meta[name][0])
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as float32."""
+        from safetensors import safe_open
+
+        if self.meta[name][1] == "BF16":
+            return _read_bf16(self.where[name], name).astype(np.float32)
+        with safe_open(str(self.where[name]), framework="np") as f:
+            return f.get_tensor(name).astype(np.float32)
+
+
+def _read_bf16(path: Path, name: str) -> np.ndarray:
+    import ml_dtypes
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    info = header[name]
+    lo, hi = info["data_offsets"]
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n + lo, shape=(hi - lo,))
+    return mm.view(ml_dtypes.bfloat16).reshape(info["shape"])
+
+
+def _set(tree: Params, path: tuple[str, ...], value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: Params, path: tuple[str, ...]) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def load(directory: str | Path, cfg: ModelConfig, shardings: Any = None) -> Params:
+    """jaxpar params from a Hugging Face Llama directory, placed with ``shardings``.
+
+    ``shardings`` is a tree of ``NamedSharding`` like the params (e.g.
+    ``Trainer.param_shardings``); without it the arrays go to the default device. A tensor
+    whose shape disagrees with ``cfg`` raises a one-line :class:`ConfigError` naming it.
+    """
+    import jax
+
+    check_config(directory, cfg)
+    reader = _Reader(directory)
+    entries = _entries(cfg)
+    for e in entries:  # check every shape before reading anything
+        for i in range(cfg.n_layers) if e.stacked else [None]:
+            name = e.hf.format(i=i)
+            want = e.hf_shape(cfg)
+            if name not in reader.meta:
+                raise ConfigError(f"{name}: missing from the safetensors files in {directory}")
+            if reader.shape(name) != want:
+                raise ConfigError(
+                    f"{name}: shape {list(reader.shape(name))} does not match the model config "
+                    f"(expected {list(want)})"
+                )
+
+    params: Params = {}
+    for e in entries:
+
+        def block(index, e=e) -> np.ndarray:
+            if not e.stacked:
+                return e.to_jax(reader.get(e.hf), cfg)[index]
+            layers = range(*index[0].indices(cfg.n_layers))
+            rest = index[1:]
+            return np.stack([e.to_jax(reader.get(e.hf.format(i=i)), cfg)[rest] for i in layers])
+
+        shape = e.to_jax(np.empty(e.hf_shape(cfg), np.float32), cfg).shape
+        if e.stacked:
+            shape = (cfg.n_layers, *shape)
+        sharding = _get(shardings, e.path) if shardings is not None else None
+        if sharding is None:
+            value = jax.numpy.asarray(block(tuple(slice(None) for _ in shape)))
+        else:
+            value = jax.make_array_from_callback(shape, sharding, block)
+        _set(params, e.path, value)
+    return params
+
+
+def _to_host(x: Any) -> np.ndarray:
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x, dtype=np.float32)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True), dtype=np.float32)
+
+
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """A ``LlamaForCausalLM`` config.json for ``cfg``."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.hd,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "tie_word_embeddings": cfg.tied_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+
+
+def export(params: Params, cfg: ModelConfig, directory: str | Path) -> Path | None:
+    """Write ``params`` as a Hugging Face Llama directory (fp32 ``model.safetensors``).
+
+    Every process takes part in gathering sharded parameters; process 0 writes. Returns the
+    directory on the writing process, None elsewhere.
+    """
+    import jax
+    from safetensors.numpy import save_file
+
+    if cfg.mlp != "swiglu":
+        raise ConfigError(f"model.mlp={cfg.mlp!r}: Hugging Face Llama export needs 'swiglu'")
+    tensors: dict[str, np.ndarray] = {}
+    for e in _entries(cfg):
+        value = _to_host(_get(params, e.path))
+        if e.stacked:
+            for i in range(cfg.n_layers):
+                tensors[e.hf.format(i=i)] = e.to_hf(value[i], cfg)
+        else:
+            tensors[e.hf] = e.to_hf(value, cfg)
+    if jax.process_index() != 0:
+        return None
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    return out
