@@ -1,11 +1,12 @@
 """Profile chosen training steps with ``jax.profiler``: one trace, one annotation per step.
 
 ``jaxpar train --profile-steps A:B --profile-dir D`` traces steps ``A`` to ``B`` inclusive
-(numbered from 1, as in the metrics). The trace lands in ``D/plugins/profile/<run>/`` as an
-``.xplane.pb`` file (open it with TensorBoard's profile plugin or xprof, or convert it for
-Perfetto). Each step is wrapped in ``jax.profiler.StepTraceAnnotation("train", step_num=i)``,
-so the viewers split the timeline per step and show, inside each, the compute kernels and the
-collectives (all-gather, reduce-scatter, all-reduce) of that step on every device's stream.
+(numbered from 1, as in the metrics). The trace lands in ``D/plugins/profile/<run>/`` (with
+several processes ``D/process_<i>/plugins/...``, one per process) as an ``.xplane.pb`` file:
+open it with TensorBoard's profile plugin or xprof, or convert it for Perfetto. Each step is
+wrapped in ``jax.profiler.StepTraceAnnotation("train", step_num=i)``, so the viewers split the
+timeline per step and show, inside each, the compute kernels and the collectives (all-gather,
+reduce-scatter, all-reduce) of that step on every device's stream.
 
 Compilation happens before the first step, so it never pollutes the trace. The trace is stopped
 after step ``B``'s loss has been read back (the device work of the step has finished).
@@ -75,6 +76,8 @@ class StepProfiler:
             return
         a, b = self.steps
         if step == a and not self._tracing:
+            if jax.process_count() > 1:  # one trace per process, side by side
+                self.directory = self.directory / f"process_{jax.process_index()}"
             self.directory.mkdir(parents=True, exist_ok=True)
             jax.profiler.start_trace(str(self.directory))
             self._tracing = True
@@ -103,5 +106,5 @@ class StepProfiler:
             self._tracing = False
 
     def trace_files(self) -> list[Path]:
-        """The ``.xplane.pb`` files written under the profile directory."""
-        return sorted(self.directory.glob("plugins/profile/*/*.xplane.pb"))
+        """The ``.xplane.pb`` files written under the profile directory (all processes)."""
+        return sorted(self.directory.glob("**/plugins/profile/*/*.xplane.pb"))
