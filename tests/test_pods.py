@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -52,14 +53,20 @@ def test_two_processes_match_single_process(make_cfg, tmp_path):
     cmd += ["train", "--model", str(model), "--metrics-file", str(metrics), *TRAIN_ARGS]
     cmd += ["--profile-steps", "2:3", "--profile-dir", str(tmp_path / "prof")]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        start_new_session=True,  # launcher and its children form one group, killed together
     )
     try:  # the reference runs here meanwhile
         ref = run(make_cfg(dp=4, tp=2), devices=jax.devices())
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
-            proc.kill()  # the launcher's children die with their pipes / the launcher's cleanup
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     got = json.loads(out.strip().splitlines()[-1])
