@@ -136,7 +136,7 @@ def test_train_init_from_hf_starts_from_those_weights(llama, tmp_path, capsys):
     assert not np.array_equal(exported["lm_head.weight"], original["lm_head.weight"])  # trained
 
 
-def test_mismatching_shapes_name_the_tensor(llama, tmp_path):
+def test_mismatching_shapes_name_the_tensor(llama, tmp_path, capsys):
     path, _, _, _ = llama
     cfg = hf.model_config(path)
     cfg.d_ff = 128
@@ -155,6 +155,13 @@ def test_mismatching_shapes_name_the_tensor(llama, tmp_path):
     safetensors_numpy.save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(ConfigError, match=r"^model\.layers\.1\.self_attn\.k_proj\.weight: shape"):
         hf.load(bad, hf.model_config(path))
+    # Through the CLI: one line, exit 2, before anything is compiled.
+    argv = ["train", "--init-from-hf", str(bad), "--steps", "1", "--seq-len", "16"]
+    assert main([*argv, "--global-batch", "8", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "jaxpar train: error: model.layers.1.self_attn.k_proj.weight: shape [32, 64]"
+    )
     cfg = hf.model_config(path)
     cfg.rope_theta = 10000.0
     with pytest.raises(ConfigError, match=r"^model\.rope_theta=10000\.0: .* has 50000\.0$"):

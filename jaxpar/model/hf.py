@@ -288,19 +288,12 @@ def _get(tree: Params, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def load(directory: str | Path, cfg: ModelConfig, shardings: Any = None) -> Params:
-    """jaxpar params from a Hugging Face Llama directory, placed with ``shardings``.
-
-    ``shardings`` is a tree of ``NamedSharding`` like the params (e.g.
-    ``Trainer.param_shardings``); without it the arrays go to the default device. A tensor
-    whose shape disagrees with ``cfg`` raises a one-line :class:`ConfigError` naming it.
-    """
-    import jax
-
+def check(directory: str | Path, cfg: ModelConfig) -> _Reader:
+    """Refuse a checkpoint that does not fit ``cfg`` (config fields, then every tensor's name and
+    shape) without reading tensor data; cheap enough to run before compiling anything."""
     check_config(directory, cfg)
     reader = _Reader(directory)
-    entries = _entries(cfg)
-    for e in entries:  # check every shape before reading anything
+    for e in _entries(cfg):
         for i in range(cfg.n_layers) if e.stacked else [None]:
             name = e.hf.format(i=i)
             want = e.hf_shape(cfg)
@@ -311,7 +304,20 @@ def load(directory: str | Path, cfg: ModelConfig, shardings: Any = None) -> Para
                     f"{name}: shape {list(reader.shape(name))} does not match the model config "
                     f"(expected {list(want)})"
                 )
+    return reader
 
+
+def load(directory: str | Path, cfg: ModelConfig, shardings: Any = None) -> Params:
+    """jaxpar params from a Hugging Face Llama directory, placed with ``shardings``.
+
+    ``shardings`` is a tree of ``NamedSharding`` like the params (e.g.
+    ``Trainer.param_shardings``); without it the arrays go to the default device. A tensor
+    whose shape disagrees with ``cfg`` raises a one-line :class:`ConfigError` naming it.
+    """
+    import jax
+
+    reader = check(directory, cfg)
+    entries = _entries(cfg)
     params: Params = {}
     for e in entries:
 

@@ -60,6 +60,10 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         )
     batches = Batches(corpus, t.global_batch, t.seq_len, t.seed)
     profiler = StepProfiler.from_config(t)
+    if t.init_from_hf and not t.resume:
+        from jaxpar.model import hf
+
+        hf.check(t.init_from_hf, cfg.model)  # names a mismatching tensor before compiling
     ckpt = _open_checkpoints(cfg)
     devices = _devices_for(cfg, devices)
     mesh = make_mesh(cfg.layout, devices)
@@ -73,8 +77,6 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
     else:
         state = trainer.init_state(t.seed)
         if t.init_from_hf:
-            from jaxpar.model import hf
-
             state["params"] = hf.load(t.init_from_hf, cfg.model, trainer.param_shardings)
 
     metrics_path = t.metrics_file or (
