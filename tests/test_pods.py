@@ -183,3 +183,17 @@ def test_bad_profile_steps(spec):
     with pytest.raises(ConfigError, match=r"^train\.profile_steps="):
         parse_steps(spec, 5)
     assert parse_steps("2:3", 5) == (2, 3) and parse_steps("4", 5) == (4, 4)
+
+
+def test_launch_reports_a_failing_child():
+    cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--local", "2", "--timeout", "60"]
+    proc = subprocess.run(
+        [*cmd, "--", "train", "--steps", "0"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=_env(),
+    )
+    assert proc.returncode == 2
+    assert "train.steps=0: must be a positive integer" in proc.stderr
+    assert "[p1] jaxpar train: error: train.steps=0" in proc.stderr

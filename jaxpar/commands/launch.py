@@ -115,8 +115,8 @@ def launch_local(
                 pumps.append(t)
         deadline = time.monotonic() + timeout_s
         rc = 0
-        while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        while None in (codes := [p.poll() for p in procs]):  # poll every child each time
+            failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 rc = failed[0]
                 print(
