@@ -162,6 +162,8 @@ def test_mismatching_shapes_name_the_tensor(llama, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(
         "jaxpar train: error: model.layers.1.self_attn.k_proj.weight: shape [32, 64]"
     )
+    assert main([*argv, "--global-batch", "8", "--resume", "--checkpoint-dir", "x"]) == 2
+    assert "conflicts with train.resume=True" in capsys.readouterr().err
     cfg = hf.model_config(path)
     cfg.rope_theta = 10000.0
     with pytest.raises(ConfigError, match=r"^model\.rope_theta=10000\.0: .* has 50000\.0$"):

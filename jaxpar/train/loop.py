@@ -60,9 +60,14 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         )
     batches = Batches(corpus, t.global_batch, t.seq_len, t.seed)
     profiler = StepProfiler.from_config(t)
-    if t.init_from_hf and not t.resume:
+    if t.init_from_hf:
         from jaxpar.model import hf
 
+        if t.resume:
+            raise ConfigError(
+                f"train.init_from_hf={t.init_from_hf!r}: conflicts with train.resume=True (the "
+                "checkpoint already holds the weights); drop one of them"
+            )
         hf.check(t.init_from_hf, cfg.model)  # names a mismatching tensor before compiling
     ckpt = _open_checkpoints(cfg)
     devices = _devices_for(cfg, devices)
