@@ -70,4 +70,10 @@ def make_mesh(layout: LayoutConfig, devices: Sequence | None = None):
     if len(devices) != n:
         raise ConfigError(f"layout pp*dp*sp*tp={n}: got {len(devices)} devices")
     grid = np.array(devices, dtype=object).reshape(tuple(sizes[a] for a in AXES))
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    axes: tuple[str, ...] = AXES
+    if 0 < layout.dp_shard < layout.dp:
+        # Hybrid sharding: dp = dpr (replica groups, outer: across nodes) x dps (ZeRO shards,
+        # inner: consecutive devices of one node). The batch spans both; ZeRO shards over dps.
+        shape = (layout.pp, layout.dp // layout.dp_shard, layout.dp_shard, layout.sp, layout.tp)
+        grid, axes = grid.reshape(shape), ("pp", "dpr", "dps", "sp", "tp")
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))

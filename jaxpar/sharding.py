@@ -73,7 +73,7 @@ def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
     kv = ("tp",) if model.n_kv_heads % layout.tp == 0 else ()
     return Rules(
         (
-            ("batch", ("dp",)),
+            ("batch", dp_axes(layout)),
             ("seq", ("sp",)),
             ("heads", ("tp",)),
             ("kv_heads", kv),
@@ -120,8 +120,39 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 # ZeRO
 
 
-def zero_spec(spec: P, shape: Sequence[int], logical_axes: Sequence[str | None], dp: int) -> P:
-    """Add ``dp`` to ``spec`` on the largest dimension that can take it.
+def hybrid(layout: LayoutConfig) -> bool:
+    """Hybrid sharding (FSDP HYBRID_SHARD): ZeRO shards within groups of ``dp_shard`` ranks."""
+    return 0 < layout.dp_shard < layout.dp
+
+
+def dp_axes(layout: LayoutConfig) -> MeshAxes:
+    """Mesh axes the batch is split over: ``('dp',)``, or ``('dpr', 'dps')`` under hybrid
+    sharding (:func:`jaxpar.devices.make_mesh` splits ``dp`` into replica groups × shards)."""
+    return ("dpr", "dps") if hybrid(layout) else ("dp",)
+
+
+def zero_axis(layout: LayoutConfig) -> str:
+    """The mesh axis ZeRO shards states over (``dps`` under hybrid sharding, else ``dp``)."""
+    return "dps" if hybrid(layout) else "dp"
+
+
+def zero_size(layout: LayoutConfig) -> int:
+    """Number of ZeRO shards N (the ``dp_shard`` group size under hybrid sharding)."""
+    return layout.dp_shard if hybrid(layout) else layout.dp
+
+
+def zero_dim(spec: P, axis: str) -> int | None:
+    """Index of the dimension of ``spec`` sharded over mesh axis ``axis`` (None if none)."""
+    for i, part in enumerate(spec):
+        if part == axis or (isinstance(part, tuple) and axis in part):
+            return i
+    return None
+
+
+def zero_spec(
+    spec: P, shape: Sequence[int], logical_axes: Sequence[str | None], dp: int, axis: str = "dp"
+) -> P:
+    """Add ``axis`` (``dp``) to ``spec`` on the largest dimension that can take it.
 
     Eligible dimensions are not ``layers`` (the layer scan slices it), not already sharded, and
     divisible by ``dp`` times their existing shards. A tensor with no eligible dimension (e.g. a
@@ -139,7 +170,7 @@ def zero_spec(spec: P, shape: Sequence[int], logical_axes: Sequence[str | None],
             best = i
     if best is None:
         return P(*parts)
-    parts[best] = "dp"
+    parts[best] = axis
     return P(*parts)
 
 
@@ -157,20 +188,25 @@ class StageSharding:
         return StageSharding(params=stage >= 3, grads=stage >= 2, optimizer=stage >= 1)
 
 
-def param_specs(logical_tree, shape_tree, rules: Rules, dp: int, shard_dp: bool):
-    """PartitionSpecs of a parameter-shaped tree (params, grads, or one optimizer moment)."""
+def param_specs(
+    logical_tree, shape_tree, rules: Rules, dp: int, shard_dp: bool, axis: str = "dp"
+):
+    """PartitionSpecs of a parameter-shaped tree (params, grads, or one optimizer moment);
+    ``shard_dp`` adds the ZeRO axis ``axis`` of size ``dp`` (:func:`zero_spec`)."""
 
     def one(logical, shape):
         spec = rules.spec(logical)
-        return zero_spec(spec, shape, logical, dp) if shard_dp else spec
+        return zero_spec(spec, shape, logical, dp, axis) if shard_dp else spec
 
     return jax.tree.map(one, logical_tree, shape_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def named(mesh, spec_tree):
-    """Map a tree of PartitionSpecs to NamedShardings on ``mesh``."""
+def named(mesh, spec_tree, memory_kind: str | None = None):
+    """Map a tree of PartitionSpecs to NamedShardings on ``mesh`` (in ``memory_kind``)."""
     return jax.tree.map(
-        lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=lambda x: isinstance(x, P)
+        lambda s: NamedSharding(mesh, s, memory_kind=memory_kind),
+        spec_tree,
+        is_leaf=lambda x: isinstance(x, P),
     )
 
 

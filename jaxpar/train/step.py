@@ -18,7 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import sharding as shd
 from jaxpar.config import RunConfig, TrainConfig
+from jaxpar.errors import ConfigError
 from jaxpar.model import Model
+from jaxpar.train.zero import DataParallel, layer_wrap
 
 State = dict[str, Any]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -49,20 +51,33 @@ def make_optimizer(t: TrainConfig, logical_axes: Any) -> optax.GradientTransform
 
 
 def remat_wrap(policy: str) -> Callable[[Callable], Callable] | None:
-    """How the per-layer body is rematerialised: ``none``, ``full`` or ``selective``.
+    """How the per-layer body is rematerialised: ``none``, ``full``, ``selective``, ``offload``.
 
     ``selective`` saves matmul outputs and recomputes the cheap elementwise work (norms,
-    activations, softmax); ``full`` keeps only each layer's input.
+    activations, softmax); ``full`` keeps only each layer's input; ``offload`` saves the weight
+    matmuls' outputs in ``pinned_host`` memory (see :func:`jaxpar.train.zero.remat_policy`).
     """
-    if policy == "none":
-        return None
-    if policy == "full":
-        return lambda f: jax.checkpoint(f, prevent_cse=False)
-    if policy == "selective":
-        return lambda f: jax.checkpoint(
-            f, prevent_cse=False, policy=jax.checkpoint_policies.checkpoint_dots
-        )
-    raise ValueError(f"layout.remat={policy!r}: not supported by this step")
+    return layer_wrap(policy)
+
+
+def host_memory_kind(devices) -> str | None:
+    """``pinned_host`` when the devices can address it, else None."""
+    kinds = {m.kind for m in devices[0].addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def check_platform(cfg: RunConfig, devices) -> None:
+    """Refuse host offload on a platform without a ``pinned_host`` memory kind (before
+    compiling)."""
+    lay = cfg.layout
+    if host_memory_kind(devices) is not None:
+        return
+    platform = devices[0].platform
+    for name, value in (("offload", lay.offload), ("remat", lay.remat)):
+        if value not in ("none", "full", "selective"):
+            raise ConfigError(
+                f"layout.{name}={value!r}: platform {platform!r} has no pinned_host memory kind"
+            )
 
 
 def microbatch_split(x_BxT: jax.Array, k: int) -> jax.Array:
@@ -83,22 +98,40 @@ class Trainer:
         self.cfg, self.mesh = cfg, mesh
         self.model = model or Model(cfg.model)
         lay = cfg.layout
+        check_platform(cfg, mesh.devices.flat)
         self.rules = shd.rules_for(cfg.model, lay)
         self.logical = self.model.logical_axes()
-        self.abstract_params = self.model.abstract()
+        self.param_dtype = DTYPES[lay.param_dtype]
+        self.abstract_params = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, self.param_dtype), self.model.abstract()
+        )
         shapes = jax.tree.map(lambda a: a.shape, self.abstract_params)
         stage = shd.StageSharding.of(lay.zero)
-        spec = lambda shard: shd.param_specs(self.logical, shapes, self.rules, lay.dp, shard)  # noqa: E731
+        zaxis, zsize = shd.zero_axis(lay), shd.zero_size(lay)
+        spec = lambda shard: shd.param_specs(  # noqa: E731
+            self.logical, shapes, self.rules, zsize, shard, zaxis
+        )
         self.param_specs = spec(stage.params)
-        self.grad_specs = spec(stage.grads)
+        # The *reduced* gradient is reduce-scattered from stage 1 on (it only feeds the
+        # optimizer's shard); stages 1 and 2 differ in the accumulator (see train/zero.py).
+        self.grad_specs = spec(stage.optimizer)
         self.moment_specs = spec(stage.optimizer)
+        self.dp = DataParallel(self, spec(True))
         self.tx = make_optimizer(cfg.train, self.logical)
         opt_abstract = jax.eval_shape(self.tx.init, self.abstract_params)
         self.opt_specs = shd.match_param_tree(opt_abstract, self.moment_specs)
         self.state_specs = {"params": self.param_specs, "opt": self.opt_specs, "step": P()}
-        self.state_shardings = shd.named(mesh, self.state_specs)
+        # Host offload: the optimizer state (and params) rest in pinned_host memory and are
+        # moved to the device inside the step (host->device and back: PCIe, not collectives).
+        host = "pinned_host" if lay.offload != "none" else None
+        self.state_shardings = {
+            "params": shd.named(mesh, self.param_specs, host if lay.offload == "params" else None),
+            "opt": shd.named(mesh, self.opt_specs, host),
+            "step": NamedSharding(mesh, P()),
+        }
+        self.device_shardings = shd.named(mesh, self.state_specs)
         # Tokens [B, S+1]: rows over dp; sequence sharding happens on activations inside.
-        self.batch_sharding = NamedSharding(mesh, P("dp", None))
+        self.batch_sharding = NamedSharding(mesh, P(shd.dp_axes(lay), None))
         self.compute_dtype = DTYPES[lay.compute_dtype]
         self._step = jax.jit(
             self._step_fn,
@@ -108,7 +141,7 @@ class Trainer:
         )
         self._compiled = None
         self._eval = jax.jit(
-            self._eval_fn, in_shardings=(self.param_shardings, self.batch_sharding)
+            self._eval_fn, in_shardings=(self.device_shardings["params"], self.batch_sharding)
         )
         self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
 
@@ -129,7 +162,7 @@ class Trainer:
     # ---- traced functions -------------------------------------------------------------------
 
     def _init_fn(self, key: jax.Array) -> State:
-        params = self.model.init(key)
+        params = jax.tree.map(lambda x: x.astype(self.param_dtype), self.model.init(key))
         return {"params": params, "opt": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     def loss_fn(self, params, tokens_BxS, targets_BxS) -> jax.Array:
@@ -139,29 +172,22 @@ class Trainer:
         )
 
     def grads_fn(self, params, batch_BxT) -> tuple[jax.Array, Any]:
-        """Mean loss and gradients over the batch, accumulated over micro-batches."""
-        k = self.cfg.layout.microbatches
-        tokens, targets = batch_BxT[:, :-1], batch_BxT[:, 1:]
-        grad_sh = shd.named(self.mesh, self.grad_specs)
-        vg = jax.value_and_grad(self.loss_fn)
-        if k == 1:
-            loss, grads = vg(params, tokens, targets)
-            return loss, jax.lax.with_sharding_constraint(grads, grad_sh)
+        """Mean loss and gradients over the batch, accumulated over micro-batches.
 
-        def body(carry, mb):
-            loss_sum, acc = carry
-            loss, g = vg(params, mb[0], mb[1])
-            # The accumulator carries the stage's gradient sharding across micro-batches.
-            acc = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, acc, g), grad_sh)
-            return (loss_sum + loss, acc), None
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        zeros = jax.lax.with_sharding_constraint(zeros, grad_sh)
-        mbs = (microbatch_split(tokens, k), microbatch_split(targets, k))
-        (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
-        return loss_sum / k, jax.tree.map(lambda g: g / k, acc)
+        The data-parallel reduction is explicit per ZeRO stage (:mod:`jaxpar.train.zero`);
+        gradients come back in the optimizer's sharding, in the parameter dtype.
+        """
+        loss, grads = self.dp.grads(params, batch_BxT)
+        return loss, jax.lax.with_sharding_constraint(grads, shd.named(self.mesh, self.grad_specs))
 
     def _step_fn(self, state: State, batch_BxT: jax.Array):
+        if self.cfg.layout.offload != "none":
+            # Host -> device copies of the offloaded trees; the out_shardings move them back.
+            state = {
+                "params": jax.device_put(state["params"], self.device_shardings["params"]),
+                "opt": jax.device_put(state["opt"], self.device_shardings["opt"]),
+                "step": state["step"],
+            }
         params, opt = state["params"], state["opt"]
         loss, grads = self.grads_fn(params, batch_BxT)
         gnorm = optax.tree.norm(grads)
@@ -204,12 +230,17 @@ class Trainer:
     def eval_loss(self, params, batch: jax.Array) -> jax.Array:
         """Mean loss of ``params`` on a batch (no update)."""
         with self._ctx():
+            if self.cfg.layout.offload == "params":
+                params = jax.device_put(params, self.device_shardings["params"])
             return self._eval(params, batch)
 
     def grads(self, params, batch: jax.Array):
         """Loss and gradients with the step's shardings (for equivalence tests)."""
         with self._ctx():
-            fn = jax.jit(self.grads_fn, in_shardings=(self.param_shardings, self.batch_sharding))
+            fn = jax.jit(
+                self.grads_fn,
+                in_shardings=(self.device_shardings["params"], self.batch_sharding),
+            )
             return fn(params, batch)
 
     def compile_step(self):
