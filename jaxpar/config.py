@@ -346,8 +346,10 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     _positive("layout.virtual", lay.virtual)
     if lay.zero not in (0, 1, 2, 3):
         raise ConfigError(f"layout.zero={lay.zero!r}: ZeRO stage must be 0, 1, 2 or 3")
-    if not isinstance(lay.dp_shard, int) or lay.dp_shard < 0 or (
-        lay.dp_shard and lay.dp % lay.dp_shard
+    if (
+        not isinstance(lay.dp_shard, int)
+        or lay.dp_shard < 0
+        or (lay.dp_shard and lay.dp % lay.dp_shard)
     ):
         raise ConfigError(
             f"layout.dp_shard={lay.dp_shard!r}: must be 0 (shard over all of dp) or divide "

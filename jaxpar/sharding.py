@@ -188,9 +188,7 @@ class StageSharding:
         return StageSharding(params=stage >= 3, grads=stage >= 2, optimizer=stage >= 1)
 
 
-def param_specs(
-    logical_tree, shape_tree, rules: Rules, dp: int, shard_dp: bool, axis: str = "dp"
-):
+def param_specs(logical_tree, shape_tree, rules: Rules, dp: int, shard_dp: bool, axis: str = "dp"):
     """PartitionSpecs of a parameter-shaped tree (params, grads, or one optimizer moment);
     ``shard_dp`` adds the ZeRO axis ``axis`` of size ``dp`` (:func:`zero_spec`)."""
 

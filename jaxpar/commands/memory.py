@@ -67,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
         out = theory(cfg.layout, params=args.params)
     else:
         C.validate(cfg)
-        out = theory(cfg.layout, cfg.model, seq=cfg.train.seq_len, microbatch_size=args.microbatch_size)
+        out = theory(
+            cfg.layout, cfg.model, seq=cfg.train.seq_len, microbatch_size=args.microbatch_size
+        )
     if args.measure:
         from jaxpar.devices import simulate_cpu_devices
 
@@ -79,8 +81,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(out)
         return 0
-    print(f"Ψ = {out['params_count']:.4g} parameters, {out['params_per_device']:.4g} per device "
-          f"after tp/pp, ZeRO-{args.zero} over N = {out['zero_shards']}")
+    print(
+        f"Ψ = {out['params_count']:.4g} parameters, {out['params_per_device']:.4g} per device "
+        f"after tp/pp, ZeRO-{args.zero} over N = {out['zero_shards']}"
+    )
     print("ZeRO convention (2+2+12 bytes/param):")
     for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes"):
         print(f"  {k:<22} {out[k] / 1e9:10.3f} GB")
@@ -97,8 +101,12 @@ def run(args: argparse.Namespace) -> int:
             if m.get(k) is not None:
                 print(f"  {k:<22} {human_bytes(m[k]):>12}")
         for e in m["comm"]["entries"]:
-            print(f"  {e['kind']:<15} {','.join(e['axes']):<8} x{e['count']:<4} "
-                  f"{human_bytes(e['wire_bytes']):>12} on the wire")
-        print(f"  dp traffic {human_bytes(m['comm']['dp_wire_bytes'])} "
-              f"(theory {human_bytes(m['comm_theory']['total_bytes'])})")
+            print(
+                f"  {e['kind']:<15} {','.join(e['axes']):<8} x{e['count']:<4} "
+                f"{human_bytes(e['wire_bytes']):>12} on the wire"
+            )
+        print(
+            f"  dp traffic {human_bytes(m['comm']['dp_wire_bytes'])} "
+            f"(theory {human_bytes(m['comm_theory']['total_bytes'])})"
+        )
     return 0

@@ -261,4 +261,3 @@ class DataParallel:
             axis_names=set(self.axes),
         )
         return fn(params, batch_BxT)
-
