@@ -22,14 +22,14 @@ from jaxpar.cli import main
 from jaxpar.data import Batches, load_corpus
 from jaxpar.devices import make_mesh
 from jaxpar.errors import ConfigError
-from jaxpar.train.loop import run
 from jaxpar.train.step import Trainer, check_platform
 
 FULL = os.environ.get("JAXPAR_FULL_ZERO") == "1"
 CASES = (
     [(z, k, dp) for z in range(4) for k in (1, 4) for dp in (2, 8)]
     if FULL
-    else [(0, 4, 2), (2, 4, 8), (3, 4, 2), (3, 1, 8)]  # + (1, 1, 8): the offload test
+    # + (1, 1, 8) in the offload test, (3, 2, 8) in the hybrid test
+    else [(0, 4, 2), (2, 4, 8), (3, 4, 2)]
 )
 
 
@@ -60,14 +60,15 @@ def _trajectory(cfg, steps=2):
 
 
 @cache
-def _reference():
-    return _trajectory(cfg32(dp=1))[0]
+def _reference(compute_dtype: str = "float32"):
+    """20 single-device steps (the equivalence tests compare the first 2)."""
+    return _trajectory(cfg32(dp=1, compute_dtype=compute_dtype), steps=20)[0]
 
 
 @pytest.mark.parametrize("zero,k,dp", CASES)
 def test_stage_matches_single_device(zero, k, dp):
     got = _trajectory(cfg32(dp=dp, zero=zero, microbatches=k))[0]
-    ref = _reference()
+    ref = _reference()[:2]
     assert ref[1, 0] < ref[0, 0]  # it trains
     np.testing.assert_allclose(got, ref, rtol=1e-4)
 
@@ -92,12 +93,9 @@ def test_hybrid_sharding_gradients_match_single_device():
 
 
 def test_bf16_compute_within_2_percent_of_fp32():
-    def losses(dtype):
-        cfg = small_config(dp=1, compute_dtype=dtype)
-        cfg.train.steps = 20
-        return np.array(run(cfg, devices=jax.devices()[:1])["losses"])
-
-    fp32, bf16 = losses("float32"), losses("bfloat16")
+    """Note: CPU XLA keeps much of bf16 arithmetic in fp32 (excess precision allowed), so the
+    gap is far smaller here than on GPU; the test still sees the bf16 rounding."""
+    fp32, bf16 = _reference()[:, 0], _reference("bfloat16")[:, 0]
     assert fp32[-1] < fp32[0] - 0.5  # 20 steps really train
     assert abs(bf16[-1] / fp32[-1] - 1) < 0.02
     assert not np.array_equal(fp32, bf16)  # bf16 really changed the arithmetic
@@ -110,7 +108,7 @@ def test_optimizer_offload_pinned_host_and_same_losses():
     mu = state["opt"][1][0].mu["layers"]["mlp"]["w_up"]
     assert mu.sharding.memory_kind == "pinned_host"
     assert state["params"]["head"]["w_out"].sharding.memory_kind == "device"
-    np.testing.assert_allclose(got, _reference(), rtol=1e-4)
+    np.testing.assert_allclose(got, _reference()[:2], rtol=1e-4)
 
 
 # ---- theory and the compiled program --------------------------------------------------------
