@@ -87,7 +87,7 @@ def dp_comm_theory(cfg: RunConfig) -> dict[str, float]:
     lay, m = cfg.layout, cfg.model
     c = param_shard_count(m, lay)
     psi = float(c["local"])
-    n = c["zero_shards"]
+    n = c["zero_shards"] if lay.zero else lay.dp  # DDP: one all-reduce over all of dp
     k = lay.microbatches
     ring = (n - 1) / n
     wr, wp = DTYPE_BYTES[lay.reduce_dtype], DTYPE_BYTES[lay.param_dtype]
@@ -106,8 +106,8 @@ def dp_comm_theory(cfg: RunConfig) -> dict[str, float]:
         saved = k * embed * ring * wc
     groups = lay.dp // n
     across = 0.0
-    if groups > 1:  # hybrid: all-reduce of each shard over the replica groups
-        across = 2 * (psi / n if lay.zero >= 1 else 0) * (groups - 1) / groups * wr
+    if groups > 1:  # hybrid: all-reduce of each gradient shard over the replica groups
+        across = 2 * (psi / n) * (groups - 1) / groups * wr
     return {
         "psi": psi,
         "n": n,
