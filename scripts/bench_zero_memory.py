@@ -5,7 +5,7 @@ per-device figures next to jaxpar's prediction. Writes ``OUT.json`` (rows), ``OU
 markdown table) and ``OUT.png`` (model states and temporaries per device vs dp, one line per
 stage), and prints the rows as one JSON object last.
 
-    python scripts/bench_zero_memory.py --model tiny --out zero_memory
+    PYTHONPATH=. python scripts/bench_zero_memory.py --model tiny --out zero_memory
 """
 
 from __future__ import annotations
