@@ -95,7 +95,12 @@ class Attention(nnx.Module):
         q, k, v = (
             t.reshape(b, s, -1, dh) for t in jnp.split(y, (nq, nq + nk), axis=3)
         )  # heads on tp: a local split, no collective
-        q, k = rope(q, positions_S, self.theta), rope(k, positions_S, self.theta)
+        # Pin q, k, v to the projection layout (seq on sp, heads on tp) so that the attention
+        # core's constraints are the only reshards (one all-to-all each under Ulysses).
+        layout = ("batch", "seq", "heads", "head_dim")
+        q = constrain(rope(q, positions_S, self.theta), layout)
+        k = constrain(rope(k, positions_S, self.theta), layout)
+        v = constrain(v, layout)
         mode = rules.attention if rules else "local"
         o_BxSxHxDh = self.core(q, k, v, mode)
         o_BxSxHxDh = constrain(o_BxSxHxDh, ("batch", "seq", "heads", "head_dim"))

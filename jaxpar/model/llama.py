@@ -39,6 +39,9 @@ class Embed(nnx.Module):
         # A gather from the vocab-sharded table: GSPMD partitions it as a masked local lookup
         # per tp rank plus an all-reduce over tp of [B, S, D] (the table is never gathered).
         x_BxSxD = jnp.take(self.table[...].astype(dtype), tokens_BxS, axis=0)
+        # Pinned to `seq` first: straight to `act_seq` (Megatron-SP), GSPMD would all-gather the
+        # table instead; from here the SP slice is local.
+        x_BxSxD = constrain(x_BxSxD, ("batch", "seq", "embed"))
         return constrain(x_BxSxD, ("batch", "act_seq", "embed"))
 
 
