@@ -16,9 +16,10 @@
   (``ppermute`` transposes to the reverse ``ppermute``): the backward sends dK/dV back around
   once, the received K/V blocks are kept as residuals (no second K/V pass).
 
-GQA: kv heads fewer than the head shards are repeated (:func:`kv_repeat`) so that each device's
-query heads find their kv head locally; the math is unchanged (a repeated kv head is the same
-head), and the gradient of a repeated head sums over its copies.
+GQA: kv heads fewer than the head shards are repeated (:func:`kv_repeat`; the layer repeats the
+kv projection weights, head k → k·r … k·r + r − 1) so that each device's query heads find their
+kv head locally; the math is unchanged (query head h of group size G uses repeated head
+h // (G/r), i.e. head h // G), and the gradient of a repeated head sums over its copies.
 
 Shape suffixes: B batch, S sequence (C a local block), H query heads, K kv heads, G = H/K,
 Dh head dim.
@@ -42,12 +43,6 @@ def kv_repeat(n_heads: int, n_kv_heads: int, shards: int) -> int | None:
         if group % r == 0 and (n_kv_heads * r) % shards == 0:
             return r
     return None
-
-
-def repeat_kv(x_BxSxKxDh: jax.Array, r: int) -> jax.Array:
-    """Repeat each kv head ``r`` times (head k → k·r … k·r + r − 1); query head ``h`` of group
-    size G then uses repeated head ``h // (G/r)``, the same weights as head ``h // G``."""
-    return x_BxSxKxDh if r == 1 else jnp.repeat(x_BxSxKxDh, r, axis=2)
 
 
 def _scores(q_BxCxHxDh: jax.Array, k_BxCxKxDh: jax.Array) -> jax.Array:
@@ -101,7 +96,8 @@ def _ring_local(q_BxCxHxDh: jax.Array, k_BxCxKxDh: jax.Array, v_BxCxKxDh: jax.Ar
         jnp.zeros((b, kvh, g, c), jnp.float32),
         jnp.zeros((b, kvh, g, c, dh), jnp.float32),
     )
-    carry = _block_update(carry, q_BxCxHxDh, k_BxCxKxDh, v_BxCxKxDh, jnp.tril(jnp.ones((c, c), bool)))
+    diag_CxC = jnp.tril(jnp.ones((c, c), bool))
+    carry = _block_update(carry, q_BxCxHxDh, k_BxCxKxDh, v_BxCxKxDh, diag_CxC)
     # Each step sends the K/V block one rank up the ring: collective-permute over `axis`.
     perm = [(i, (i + 1) % p) for i in range(p)]
     kv = (k_BxCxKxDh, v_BxCxKxDh)
