@@ -365,6 +365,7 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         raise ConfigError(f"layout.tp={lay.tp}: model.n_heads={m.n_heads} must be divisible by tp")
     if lay.tp > 1 and m.d_ff % lay.tp:
         raise ConfigError(f"layout.tp={lay.tp}: model.d_ff={m.d_ff} must be divisible by tp")
+    _check_heads(m, lay)
     if m.n_layers % (lay.pp * lay.virtual):
         raise ConfigError(
             f"model.n_layers={m.n_layers}: must be divisible by pp*virtual="
@@ -415,6 +416,20 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         value = _get(cfg, fld)
         if unsupported(value):
             raise ConfigError(f"{fld}={value!r}: {message}")
+
+
+def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
+    """Heads as tensor and sequence parallelism split them (Megatron TP, Ulysses, GQA)."""
+    ulysses = lay.sp > 1 and lay.sp_mode == "ulysses"
+    shards = lay.tp * lay.sp if ulysses else lay.tp
+    if ulysses and m.n_heads % shards:
+        raise ConfigError(
+            f"layout.sp={lay.sp}: Ulysses splits model.n_heads={m.n_heads} over tp*sp="
+            f"{lay.tp}*{lay.sp}={shards}, which must divide it (or use --sp-mode ring)"
+        )
+    # kv heads need no rule of their own: when query heads split over the shards, repeating
+    # each kv head n_heads/n_kv_heads times (i.e. MHA) splits too, and
+    # jaxpar.model.attention.kv_repeat picks the smallest repeat that does.
 
 
 def _get(cfg: RunConfig, dotted: str) -> Any:

@@ -23,7 +23,14 @@ from jaxpar.config import LayoutConfig, ModelConfig
 
 LOGICAL_AXES = (
     "batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+    "act_seq", "attn_seq", "attn_heads", "attn_kv_heads",
 )  # fmt: skip
+"""``act_seq``: the residual stream's sequence dim (``sp``, plus ``tp`` under Megatron-SP);
+``seq``: the sequence dim inside a block, between column- and row-parallel matmuls (``sp``);
+``attn_seq``/``attn_heads``/``attn_kv_heads``: the attention core's layout (Ulysses: full
+sequence, heads over ``tp`` then ``sp``; ring and plain: as inside the block)."""
+
+ATTENTION_MODES = ("local", "ulysses", "ring")
 
 MeshAxes = tuple[str, ...]
 
@@ -33,6 +40,9 @@ class Rules:
     """Logical axis → mesh axes. A logical axis absent from the table is replicated."""
 
     table: tuple[tuple[str, MeshAxes], ...]
+    attention: str = "local"  # how the attention core is parallelised (ATTENTION_MODES)
+    head_shards: int = 1  # devices the attention core's heads are split over (tp or tp·sp)
+    tp: int = 1  # tensor-parallel degree (fused column-parallel weights are grouped by it)
 
     def lookup(self, logical: str | None) -> MeshAxes:
         """Mesh axes a logical axis maps to (first matching rule wins)."""
@@ -67,19 +77,44 @@ def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
 
     Megatron TP: ``heads``, ``mlp`` and ``vocab`` on ``tp`` make QKV/MLP-up column-parallel and
     attention-out/MLP-down row-parallel, so GSPMD emits one all-reduce per pair in forward and
-    one in backward. kv heads go on ``tp`` only when they divide evenly; otherwise they are
-    replicated over ``tp`` (each TP rank keeps all kv heads and uses its query group's).
+    one in backward. kv heads go on ``tp`` only when they divide evenly; otherwise the kv
+    projections are replicated over ``tp`` and the attention core repeats kv heads up to a
+    multiple of the head shards (:func:`jaxpar.model.attention.kv_repeat`), as Megatron does.
+
+    Megatron-SP (``sequence_parallel``) puts the residual stream's ``act_seq`` on ``sp`` *and*
+    ``tp``: the constraint into a column-parallel matmul (``seq`` on ``sp`` only) is an
+    all-gather over ``tp``, the one out of a row-parallel matmul a reduce-scatter.
+
+    Ulysses (``sp_mode='ulysses'``, ``sp > 1``): ``attn_seq`` unsharded and ``attn_heads`` on
+    (``tp``, ``sp``), so the constraints around the attention core are all-to-alls over ``sp``
+    (tp-major: a device keeps a sub-block of its TP rank's heads, nothing moves over ``tp``).
+    Ring (``sp_mode='ring'``): attention stays sequence-sharded; the core is a ``shard_map``
+    over ``sp`` passing K/V blocks with ``ppermute`` (:mod:`jaxpar.model.attention`).
     """
-    kv = ("tp",) if model.n_kv_heads % layout.tp == 0 else ()
+    tp, sp = layout.tp, layout.sp
+    kv = ("tp",) if model.n_kv_heads % tp == 0 else ()
+    act_seq: MeshAxes = ("sp", "tp") if layout.sequence_parallel and tp > 1 else ("sp",)
+    if sp > 1 and layout.sp_mode == "ulysses":
+        attention, attn_seq, attn_heads, shards = "ulysses", (), ("tp", "sp"), tp * sp
+    else:
+        attention = "ring" if sp > 1 else "local"
+        attn_seq, attn_heads, shards = ("sp",), ("tp",), tp
     return Rules(
         (
             ("batch", dp_axes(layout)),
+            ("act_seq", act_seq),
             ("seq", ("sp",)),
+            ("attn_seq", attn_seq),
+            ("attn_heads", attn_heads),
+            ("attn_kv_heads", attn_heads),
             ("heads", ("tp",)),
             ("kv_heads", kv),
             ("mlp", ("tp",)),
             ("vocab", ("tp",)),
-        )
+        ),
+        attention=attention,
+        head_shards=shards,
+        tp=tp,
     )
 
 

@@ -283,15 +283,21 @@ def ulysses_comm_elements_per_layer(
     return {"forward": fwd, "backward": fwd, "elements": 2 * fwd, "wire": 2 * fwd * ring_factor(p)}
 
 
-def ring_attention_comm_elements_per_layer(tokens: int, kv_dim: int, p: int) -> dict[str, float]:
+def ring_attention_comm_elements_per_layer(
+    tokens: int, kv_dim: int, p: int, backward_kv_pass: bool = True
+) -> dict[str, float]:
     """Ring-attention traffic per layer per device (``tokens`` = b·s, ``kv_dim`` = kv width).
 
     Forward: each device passes its K and V blocks (tokens/P × kv_dim each) P−1 times
-    → 2·(P−1)·tokens·kv_dim/P. Backward (as in ring/flash implementations) circulates K, V
-    and the dK, dV accumulators: twice the forward.
+    → 2·(P−1)·tokens·kv_dim/P. Backward: implementations that recompute (flash/ring kernels)
+    circulate K, V and the dK, dV accumulators: twice the forward. Without that second K/V pass
+    (``backward_kv_pass=False``: autodiff through the ring keeps the received blocks as
+    residuals, as jaxpar's :func:`jaxpar.model.attention.ring_attention` does) only dK, dV go
+    back around: the same as the forward.
     """
     fwd = 2 * (p - 1) * tokens * kv_dim / p
-    return {"forward": fwd, "backward": 2 * fwd, "elements": 3 * fwd}
+    bwd = 2 * fwd if backward_kv_pass else fwd
+    return {"forward": fwd, "backward": bwd, "elements": fwd + bwd}
 
 
 def pp_p2p_elements(b: int, s: int, h: int, t: int = 1, sequence_parallel: bool = False) -> float:

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.sharding import constrain
+from jaxpar.model.attention import causal_attention, kv_repeat, ring_attention
+from jaxpar.sharding import active_rules, constrain
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -47,20 +48,6 @@ def rope(x_BxSxNxDh: jax.Array, positions_S: jax.Array, theta: float) -> jax.Arr
     return out.astype(x_BxSxNxDh.dtype)
 
 
-def causal_attention(q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array):
-    """Softmax attention with a causal mask, grouped-query (H = K·G), softmax in fp32."""
-    b, s, h, dh = q_BxSxHxDh.shape
-    kvh = k_BxSxKxDh.shape[2]
-    q_BxSxKxGxDh = q_BxSxHxDh.reshape(b, s, kvh, h // kvh, dh)
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", q_BxSxKxGxDh, k_BxSxKxDh).astype(jnp.float32)
-    logits = logits * (dh**-0.5)
-    mask_SxS = jnp.tril(jnp.ones((s, s), bool))
-    logits = jnp.where(mask_SxS, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxKxDh.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v_BxSxKxDh)
-    return out.reshape(b, s, h, dh)
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention; QKV column-parallel, output row-parallel over ``tp``."""
 
@@ -84,25 +71,64 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxSxD: jax.Array, positions_S: jax.Array) -> jax.Array:
         dt = x_BxSxD.dtype
-        # Heads on tp: each TP rank computes its heads from the replicated input (no collective).
-        q = constrain(
-            jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wq[...].astype(dt)),
-            ("batch", "seq", "heads", "head_dim"),
+        b, s, _ = x_BxSxD.shape
+        h, kvh, dh = self.wq.shape[1], self.wk.shape[1], self.wq.shape[2]
+        rules = active_rules()
+        tp, shards = (rules.tp, rules.head_shards) if rules else (1, 1)
+        r = kv_repeat(h, kvh, shards)
+        if r is None:  # config validation refuses this before tracing
+            raise ValueError(f"{kvh} kv heads cannot be split over {shards} head shards")
+        # GQA with fewer kv heads than head shards: repeat the kv *weights* (Megatron's kv
+        # replication) so kv heads split like query heads; their gradients sum over the copies
+        # (an all-reduce over tp of a [D, K, Dh] weight gradient when wk is replicated).
+        wk, wv = (jnp.repeat(w[...], r, axis=1) for w in (self.wk, self.wv))
+        # Into the column-parallel projections: the residual stream's `act_seq` (on tp too under
+        # Megatron-SP) becomes `seq` (sp only): an all-gather over tp with SP, else a no-op.
+        x_BxSxD = constrain(x_BxSxD, ("batch", "seq", "embed"))
+        # One fused QKV matmul (weights grouped per TP rank), so the backward sums the q, k and
+        # v contributions to dx locally and all-reduces once over tp, not three times.
+        w = _fused_columns([self.wq[...], wk, wv], tp, dt, ("embed", "heads", None, "head_dim"))
+        y = constrain(
+            jnp.einsum("bsd,dtnk->bstnk", x_BxSxD, w), ("batch", "seq", "heads", None, "head_dim")
         )
-        k = constrain(
-            jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wk[...].astype(dt)),
-            ("batch", "seq", "kv_heads", "head_dim"),
-        )
-        v = constrain(
-            jnp.einsum("bsd,dhk->bshk", x_BxSxD, self.wv[...].astype(dt)),
-            ("batch", "seq", "kv_heads", "head_dim"),
-        )
-        q, k = rope(q, positions_S, self.theta), rope(k, positions_S, self.theta)
-        o_BxSxHxDh = causal_attention(q, k, v)
+        nq, nk = h // tp, kvh * r // tp
+        q, k, v = (
+            t.reshape(b, s, -1, dh) for t in jnp.split(y, (nq, nq + nk), axis=3)
+        )  # heads on tp: a local split, no collective
+        # Pin q, k, v to the projection layout (seq on sp, heads on tp) so that the attention
+        # core's constraints are the only reshards (one all-to-all each under Ulysses).
+        layout = ("batch", "seq", "heads", "head_dim")
+        q = constrain(rope(q, positions_S, self.theta), layout)
+        k = constrain(rope(k, positions_S, self.theta), layout)
+        v = constrain(v, layout)
+        mode = rules.attention if rules else "local"
+        o_BxSxHxDh = self.core(q, k, v, mode)
         o_BxSxHxDh = constrain(o_BxSxHxDh, ("batch", "seq", "heads", "head_dim"))
-        # Row-parallel: contracting the tp-sharded heads gives partial sums -> one all-reduce.
+        # Row-parallel: contracting the tp-sharded heads gives partial sums -> one all-reduce
+        # over tp (a reduce-scatter onto the sequence shards under Megatron-SP).
         out = jnp.einsum("bshk,hkd->bsd", o_BxSxHxDh, self.wo[...].astype(dt))
-        return constrain(out, ("batch", "seq", "embed"))
+        return constrain(out, ("batch", "act_seq", "embed"))
+
+    @staticmethod
+    def core(q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, mode: str):
+        """The attention core: dense (``local``), ``ulysses`` or ``ring``."""
+        if mode == "ring":
+            return ring_attention(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh, "sp")
+        # Ulysses: sequence-sharded -> head-sharded is an all-to-all over sp (each device then
+        # holds full sequences of H/(tp·sp) heads). Without sp these are no-ops.
+        q_BxSxHxDh = constrain(q_BxSxHxDh, ("batch", "attn_seq", "attn_heads", "head_dim"))
+        k_BxSxKxDh = constrain(k_BxSxKxDh, ("batch", "attn_seq", "attn_kv_heads", "head_dim"))
+        v_BxSxKxDh = constrain(v_BxSxKxDh, ("batch", "attn_seq", "attn_kv_heads", "head_dim"))
+        o_BxSxHxDh = causal_attention(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
+        # And back (all-to-all over sp) in the caller's constraint to `seq`.
+        return constrain(o_BxSxHxDh, ("batch", "attn_seq", "attn_heads", "head_dim"))
+
+
+def _fused_columns(ws: list[jax.Array], tp: int, dt, logical: tuple) -> jax.Array:
+    """Column-parallel weights ``[D, N_i, ...]`` (N_i on tp) fused per TP rank into
+    ``[D, tp, Σ N_i/tp, ...]``: a local concatenation, no collective."""
+    parts = [w.reshape(w.shape[0], tp, w.shape[1] // tp, *w.shape[2:]) for w in ws]
+    return constrain(jnp.concatenate(parts, axis=2).astype(dt), logical)
 
 
 class MLP(nnx.Module):
@@ -120,13 +146,22 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
         dt = x_BxSxD.dtype
-        up_BxSxF = x_BxSxD @ self.w_up[...].astype(dt)
+        # All-gather over tp under Megatron-SP (see Attention), else a no-op.
+        x_BxSxD = constrain(x_BxSxD, ("batch", "seq", "embed"))
         if self.kind == "swiglu":
-            h_BxSxF = jax.nn.silu(x_BxSxD @ self.w_gate[...].astype(dt)) * up_BxSxF
+            # Gate and up fused per TP rank: one matmul, one backward all-reduce over tp.
+            rules = active_rules()
+            tp = rules.tp if rules else 1
+            w = _fused_columns([self.w_gate[...], self.w_up[...]], tp, dt, ("embed", "mlp", None))
+            gu = constrain(jnp.einsum("bsd,dtf->bstf", x_BxSxD, w), ("batch", "seq", "mlp", None))
+            gate, up = jnp.split(gu, 2, axis=3)
+            b, s, _ = x_BxSxD.shape
+            h_BxSxF = (jax.nn.silu(gate) * up).reshape(b, s, -1)
         else:
-            h_BxSxF = jax.nn.gelu(up_BxSxF)
+            h_BxSxF = jax.nn.gelu(x_BxSxD @ self.w_up[...].astype(dt))
         h_BxSxF = constrain(h_BxSxF, ("batch", "seq", "mlp"))
-        return constrain(h_BxSxF @ self.w_down[...].astype(dt), ("batch", "seq", "embed"))
+        # Row-parallel: all-reduce over tp (reduce-scatter onto sequence shards under SP).
+        return constrain(h_BxSxF @ self.w_down[...].astype(dt), ("batch", "act_seq", "embed"))
 
 
 class Block(nnx.Module):
@@ -139,6 +174,8 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x_BxSxD: jax.Array, positions_S: jax.Array) -> jax.Array:
+        x_BxSxD = constrain(x_BxSxD, ("batch", "act_seq", "embed"))
         x_BxSxD = x_BxSxD + self.attn(self.attn_norm(x_BxSxD), positions_S)
         x_BxSxD = x_BxSxD + self.mlp(self.mlp_norm(x_BxSxD))
-        return constrain(x_BxSxD, ("batch", "seq", "embed"))
+        # The residual stream (and so the norms) stays sequence-sharded between blocks.
+        return constrain(x_BxSxD, ("batch", "act_seq", "embed"))

@@ -36,8 +36,13 @@ class Embed(nnx.Module):
         self.table = nnx.Param(table, logical_axes=("vocab", "embed"))
 
     def __call__(self, tokens_BxS: jax.Array, dtype) -> jax.Array:
+        # A gather from the vocab-sharded table: GSPMD partitions it as a masked local lookup
+        # per tp rank plus an all-reduce over tp of [B, S, D] (the table is never gathered).
         x_BxSxD = jnp.take(self.table[...].astype(dtype), tokens_BxS, axis=0)
-        return constrain(x_BxSxD, ("batch", "seq", "embed"))
+        # Pinned to `seq` first: straight to `act_seq` (Megatron-SP), GSPMD would all-gather the
+        # table instead; from here the SP slice is local.
+        x_BxSxD = constrain(x_BxSxD, ("batch", "seq", "embed"))
+        return constrain(x_BxSxD, ("batch", "act_seq", "embed"))
 
 
 class Head(nnx.Module):
@@ -50,7 +55,9 @@ class Head(nnx.Module):
             self.w_out = nnx.Param(w, logical_axes=("embed", "vocab"))
 
     def logits(self, x_BxSxD: jax.Array, table_VxD: jax.Array | None) -> jax.Array:
-        h = self.norm(x_BxSxD)
+        # Norm on the (sequence-sharded under SP) residual stream, then all-gather over tp into
+        # the column-parallel vocabulary projection.
+        h = constrain(self.norm(x_BxSxD), ("batch", "seq", "embed"))
         w_DxV = table_VxD.T if table_VxD is not None else self.w_out[...]
         # Vocab-sharded logits: each tp rank holds V/tp columns; fp32 for a stable softmax.
         logits = jnp.einsum("bsd,dv->bsv", h, w_DxV.astype(h.dtype)).astype(jnp.float32)
