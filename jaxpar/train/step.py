@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import sharding as shd
 from jaxpar.config import RunConfig, TrainConfig
 from jaxpar.model import Model
+from jaxpar.train.guard import inject_nonfinite
 
 State = dict[str, Any]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -164,6 +165,10 @@ class Trainer:
     def _step_fn(self, state: State, batch_BxT: jax.Array):
         params, opt = state["params"], state["opt"]
         loss, grads = self.grads_fn(params, batch_BxT)
+        if self.cfg.train.inject_nonfinite_step:  # test hook, see jaxpar.train.guard
+            grads = inject_nonfinite(
+                grads, state["step"] + 1 == self.cfg.train.inject_nonfinite_step
+            )
         gnorm = optax.tree.norm(grads)
         updates, new_opt = self.tx.update(grads, opt, params)
         new_params = optax.apply_updates(params, updates)
@@ -177,7 +182,10 @@ class Trainer:
             "step": state["step"] + 1,
         }
         lr = lr_schedule(self.cfg.train)(state["step"])
-        return new_state, {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": ok}
+        # Per-leaf flags let the loop name the non-finite leaves in its diagnostic.
+        leaf_ok = jax.tree.map(lambda g: jnp.all(jnp.isfinite(g)), grads)
+        metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": ok, "leaf_finite": leaf_ok}
+        return new_state, metrics
 
     def _eval_fn(self, params, batch_BxT) -> jax.Array:
         return self.loss_fn(params, batch_BxT[:, :-1], batch_BxT[:, 1:])
