@@ -119,7 +119,7 @@ class Checkpointer:
         if writable:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
-                probe = self.directory / f".jaxpar-write-probe-{os.getpid()}"
+                probe = self.directory / f".jaxpar-write-probe-{jax.process_index()}-{os.getpid()}"
                 probe.write_bytes(b"")
                 probe.unlink()
             except OSError as e:
