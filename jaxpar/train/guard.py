@@ -29,12 +29,16 @@ class StopRequest:
 
     The loop polls it between steps. The first signal restores the previous handlers, so a
     second Ctrl-C raises ``KeyboardInterrupt`` and a second SIGTERM terminates as usual.
-    Outside the main thread (where Python cannot install handlers) it does nothing.
+    Outside the main thread (where Python cannot install handlers) it does nothing; nor in a
+    multi-process run (``enabled=False``), where one process stopping alone would leave the
+    others blocked in a collective: there the signals keep their default behaviour until the
+    stop is agreed across processes (not implemented yet).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
 
@@ -54,7 +58,7 @@ class StopRequest:
         self._previous = {}
 
     def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
+        if self.enabled and threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self

@@ -87,7 +87,7 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
     mesh = make_mesh(cfg.layout, devices)
     trainer = Trainer(cfg, mesh)
 
-    with StopRequest() as stop:
+    with StopRequest(enabled=jax.process_count() == 1) as stop:
         start = 0
         if resume_step is not None:
             abstract = trainer.abstract_state()
