@@ -1,66 +1,264 @@
-"""Orbax checkpoints of the train state, restorable onto any layout.
+"""Orbax checkpoints of the train state: restorable onto any layout, verified before loading.
 
 A checkpoint holds the state tree (params, optimizer state, step) and a JSON record (model
-shape, layout, data position). Restoring takes an abstract state whose leaves carry the *target*
-shardings, so a checkpoint written under one layout is read directly into another.
+shape, layout, data position, seed). Restoring takes an abstract state whose leaves carry the
+*target* shardings, so a checkpoint written under one layout is read directly into another.
 
-Orbax writes each step into a temporary directory and renames it when complete, so an
-interrupted save never replaces a finished one.
+Integrity, in two layers:
+
+- orbax writes each step into ``<step>.orbax-checkpoint-tmp-<n>`` and renames it to ``<step>``
+  when every item is committed; a step directory that never got renamed is not listed as a
+  step, and is removed when a writable :class:`Checkpointer` opens the directory;
+- after orbax finalises, jaxpar writes its own record ``jaxpar_manifest.json`` (every file's
+  size and CRC-32), atomically (temporary file, fsync, rename), last. A step directory without
+  a manifest, or whose files no longer match it, is *incomplete*: it is skipped with a
+  :class:`CheckpointWarning`, never loaded, and moved to ``<dir>/quarantine/`` when resuming,
+  so the run falls back to the previous complete step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
+import time
+import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxpar.config import ModelConfig
 from jaxpar.errors import CheckpointError
 
+MANIFEST = "jaxpar_manifest.json"
+QUARANTINE = "quarantine"
+# Test-only: seconds to sleep after orbax finalised a step and before the manifest is written,
+# so a test can SIGKILL a run inside a checkpoint write deterministically. Unset in real runs.
+SAVE_DELAY_ENV = "JAXPAR_TEST_SAVE_DELAY_S"
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped because it is incomplete or corrupted."""
+
+
+def _crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(step_dir: Path) -> None:
+    """Record every file's size and CRC-32 of a finalised step; written atomically, last."""
+    files = {
+        p.relative_to(step_dir).as_posix(): [p.stat().st_size, _crc(p)] for p in _files(step_dir)
+    }
+    tmp = step_dir / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"version": 1, "files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, step_dir / MANIFEST)
+
+
+def verify_step(step_dir: Path, full: bool = True) -> str | None:
+    """Why the step directory is not a complete checkpoint, or None if it is.
+
+    ``full`` compares CRC-32s (reads every byte); otherwise only presence and sizes.
+    """
+    try:
+        record = json.loads((step_dir / MANIFEST).read_text())
+        files = record["files"]
+    except FileNotFoundError:
+        return "no integrity record (the write was interrupted)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable integrity record ({type(e).__name__})"
+    for rel, (size, crc) in files.items():
+        p = step_dir / rel
+        if not p.is_file():
+            return f"file {rel} is missing"
+        if p.stat().st_size != size:
+            return f"file {rel} has {p.stat().st_size} bytes, expected {size}"
+        if full and _crc(p) != crc:
+            return f"file {rel} fails its CRC-32 check"
+    return None
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
 
 class Checkpointer:
-    """Save every ``every`` steps, keep the newest ``keep``; restore the newest."""
+    """Save every ``every`` steps, keep the newest ``keep``; restore the newest complete one.
 
-    def __init__(self, directory: str | Path, keep: int = 3, every: int = 50):
+    ``writable=False`` opens an existing directory for reading only (nothing is created,
+    cleaned or moved).
+    """
+
+    def __init__(self, directory: str | Path, keep: int = 3, every: int = 50, writable=True):
         self.directory = Path(directory).absolute()
         self.every = every
+        self.writable = writable
+        where = f"checkpoint_dir={str(self.directory)!r}"
+        if writable:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                probe = self.directory / f".jaxpar-write-probe-{jax.process_index()}-{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as e:
+                raise CheckpointError(f"{where}: not writable: {e.strerror or e}") from None
+            if jax.process_index() == 0:
+                # orbax's own cleanup option runs in the background; do it here, synchronously,
+                # so nothing half-written is around once the directory is open
+                for tmp in self.directory.glob("*.orbax-checkpoint-tmp*"):
+                    shutil.rmtree(tmp, ignore_errors=True)
+        elif not self.directory.is_dir():
+            raise CheckpointError(f"{where}: not a directory")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=False
+            max_to_keep=keep,
+            create=writable,
+            read_only=not writable,
+            enable_async_checkpointing=False,
         )
         try:
-            self._mgr = ocp.CheckpointManager(self.directory, options=options)
+            self._mgr = ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                item_handlers={
+                    "state": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler(),
+                },
+            )
         except OSError as e:
-            raise CheckpointError(f"checkpoint_dir={str(self.directory)!r}: {e}") from None
+            raise CheckpointError(f"{where}: {e.strerror or e}") from None
 
-    def steps(self) -> list[int]:
-        """Steps of the complete checkpoints present, oldest first."""
+    def _step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def all_steps(self) -> list[int]:
+        """Steps orbax finalised, complete or not, oldest first."""
         return sorted(self._mgr.all_steps())
 
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints (manifest present, sizes match), oldest first."""
+        return [s for s in self.all_steps() if verify_step(self._step_dir(s), full=False) is None]
+
     def latest_step(self) -> int | None:
-        """Newest complete checkpoint, or None."""
+        """Newest complete checkpoint (sizes checked, not CRCs), or None."""
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def latest_valid_step(self) -> int | None:
+        """Newest checkpoint that passes the full check; newer broken ones are skipped with a
+        warning (and quarantined when writable)."""
+        for step in reversed(self.all_steps()):
+            why = verify_step(self._step_dir(step))
+            if why is None:
+                return step
+            self._reject(step, why)
+        return None
+
+    def _reject(self, step: int, why: str) -> None:
+        note = ""
+        if self.writable and jax.process_index() == 0:  # one host moves it; all skip it
+            dest = self.directory / QUARANTINE / f"{step}-{time.time_ns()}"
+            try:
+                dest.parent.mkdir(exist_ok=True)
+                os.replace(self._step_dir(step), dest)
+                note = f"; moved to {dest}"
+                self._mgr.reload()
+            except OSError as e:
+                note = f"; could not move it aside ({e.strerror or e})"
+        warnings.warn(
+            f"checkpoint step {step} in {self.directory} is incomplete or corrupted: {why}; "
+            f"skipped, not loaded{note}",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+
     def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = False) -> bool:
-        """Write ``state`` at ``step`` (when due, or always with ``force``)."""
+        """Write ``state`` at ``step`` (when due, or always with ``force``).
+
+        A state with a non-finite value is refused; a failed write (full or read-only disk)
+        raises a one-line :class:`CheckpointError` and leaves the previous checkpoints as they
+        were (the partial step is removed).
+        """
         if not force and step % self.every:
             return False
+        if not bool(_all_finite(state)):
+            raise CheckpointError(f"step {step}: refusing to checkpoint a non-finite state")
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         try:
-            saved = self._mgr.save(step, args=args, force=force)
+            saved = bool(self._mgr.save(step, args=args, force=force))
             self._mgr.wait_until_finished()
-        except OSError as e:
+            if saved and jax.process_index() == 0:
+                if delay := float(os.environ.get(SAVE_DELAY_ENV, "0") or 0):
+                    time.sleep(delay)
+                write_manifest(self._step_dir(step))
+        except Exception as e:  # orbax and tensorstore wrap I/O errors in various types
+            self._discard(step)
+            msg = (getattr(e, "strerror", None) or str(e) or type(e).__name__).splitlines()[0]
             raise CheckpointError(
-                f"checkpoint_dir={str(self.directory)!r}: save failed: {e}"
-            ) from None
-        return bool(saved)
+                f"checkpoint_dir={str(self.directory)!r}: saving step {step} failed: {msg}; "
+                f"earlier checkpoints are untouched (complete: {self.steps()})"
+            ) from e
+        return saved
+
+    def _discard(self, step: int) -> None:
+        """Remove a step whose save failed (best effort: a full disk may refuse even that)."""
+        shutil.rmtree(self._step_dir(step), ignore_errors=True)
+        for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self._mgr.reload()
+        except Exception:  # noqa: BLE001  (the directory is already in trouble; keep the cause)
+            pass
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """The JSON record of a checkpoint."""
         out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(out["meta"])
+
+    def check_shapes(self, step: int, abstract_state: Any) -> None:
+        """Refuse a checkpoint whose stored parameter arrays differ from the configured ones,
+        naming the first mismatching parameter and both shapes (read from orbax metadata)."""
+        try:
+            stored = self._mgr.item_metadata(step)["state"].tree["params"]
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory}: no jaxpar parameter tree "
+                f"({type(e).__name__}); is this a jaxpar checkpoint directory?"
+            ) from None
+        saved = {_path(k): tuple(m.shape) for k, m in jax.tree.leaves_with_path(stored)}
+        mine = {
+            _path(k): tuple(a.shape) for k, a in jax.tree.leaves_with_path(abstract_state["params"])
+        }
+        for name in sorted(saved.keys() | mine.keys()):
+            a, b = saved.get(name), mine.get(name)
+            if a != b:
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory}: parameter {name} has shape "
+                    f"{a if a is not None else 'absent'} in the checkpoint but "
+                    f"{b if b is not None else 'absent'} in the configured model; use another "
+                    "--checkpoint-dir or the matching --model"
+                )
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
         """Read a checkpoint into the shardings carried by ``abstract_state``."""
@@ -73,6 +271,10 @@ class Checkpointer:
     def close(self) -> None:
         """Finish pending writes and release the manager."""
         self._mgr.close()
+
+
+def _path(keypath: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
 
 
 def check_model_matches(meta: dict[str, Any], model: ModelConfig) -> None:

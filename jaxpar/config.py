@@ -146,6 +146,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
     resume: bool = False
+    resume_or_start: bool = False  # resume if a complete checkpoint exists, else start fresh
     metrics_file: str | None = None
     on_nonfinite: str = "stop"
     progress: bool = True
@@ -153,6 +154,9 @@ class TrainConfig:
     profile_dir: str | None = None  # where the trace goes (default ./jaxpar_profile)
     init_from_hf: str | None = None  # Hugging Face Llama directory to start from
     export_hf: str | None = None  # write the final weights as a Hugging Face Llama directory
+    tensorboard_dir: str | None = None  # TensorBoard scalars (needs tensorboardX)
+    # Test hook: at this step (1-based) the gradient of one leaf is NaN; 0 disables.
+    inject_nonfinite_step: int = 0
 
 
 @dataclass
@@ -384,6 +388,10 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         _positive(f"train.{name}", getattr(t, name))
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps}: must be >= 0")
+    if t.inject_nonfinite_step < 0:
+        raise ConfigError(
+            f"train.inject_nonfinite_step={t.inject_nonfinite_step}: must be >= 0 (0 disables)"
+        )
     if t.eval_every < 0:
         raise ConfigError(f"train.eval_every={t.eval_every}: must be >= 0 (0 disables)")
     if t.seq_len > m.max_seq_len:

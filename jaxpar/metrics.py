@@ -23,6 +23,8 @@ class MetricsLog:
         if path and jax.process_index() == 0:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._f = open(path, "a", buffering=1)  # line-buffered: a crash loses at most a line
+            if self._f.tell() and not _ends_with_newline(path):
+                self._f.write("\n")  # a killed run left half a line: keep it off ours
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record."""
@@ -34,6 +36,12 @@ class MetricsLog:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
 
 
 class Progress:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 HELP = "train a model on a device mesh (defaults: tiny model on 8 simulated CPU devices)"
 
@@ -16,7 +17,9 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "data": ("train.data", str, "'stdlib' (embedded corpus), 'synthetic', or a .bin token file"),
     "checkpoint_dir": ("train.checkpoint_dir", str, "where orbax checkpoints go"),
     "checkpoint_every": ("train.checkpoint_every", int, "steps between checkpoints"),
+    "keep_checkpoints": ("train.keep_checkpoints", int, "complete checkpoints to keep"),
     "metrics_file": ("train.metrics_file", str, "JSONL metrics (appended)"),
+    "tensorboard": ("train.tensorboard_dir", str, "also write TensorBoard scalars here"),
     "eval_every": ("train.eval_every", int, "steps between held-out evaluations (0: end only)"),
     "on_nonfinite": ("train.on_nonfinite", str, "skip | stop on a non-finite loss/gradient"),
     "devices": ("mesh.devices", int, "devices of the cluster (simulated on CPU)"),
@@ -57,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Megatron sequence parallelism over tp",
     )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument(
+        "--resume-or-start",
+        action="store_true",
+        help="continue from the newest complete checkpoint, or start fresh if there is none",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "-o",
@@ -91,6 +99,8 @@ def build_config(args: argparse.Namespace):
         C.override(cfg, "layout.sequence_parallel", True)
     if args.resume:
         C.override(cfg, "train.resume", True)
+    if args.resume_or_start:
+        C.override(cfg, "train.resume_or_start", True)
     if args.no_progress:
         C.override(cfg, "train.progress", False)
     for item in args.override:
@@ -113,11 +123,27 @@ def run(args: argparse.Namespace) -> int:
         cfg.mesh.hardware, cfg.mesh.devices, args.coordinator, args.num_processes, args.process_id
     )
 
+    from jaxpar.train.guard import resume_command
     from jaxpar.train.loop import run as train_run
 
     result = train_run(cfg)
     if pc is not None and pc.process_id != 0:
         return 0 if result["stopped"] is None else 3  # process 0 reports
+    if result["preempted"]:
+        # Preemption is a clean exit (0): the scheduler's requeue runs the printed command.
+        step = result["checkpoint_step"]
+        how = (
+            f"checkpoint at step {step} in {cfg.train.checkpoint_dir}; resume with:\n  "
+            f"{resume_command()}"
+            if step
+            else "no checkpoint was written (no --checkpoint-dir, or no step done); rerun "
+            "the same command to start again"
+        )
+        print(
+            f"jaxpar train: stopped by {result['preempted']} after step {result['end_step']}; "
+            + how,
+            file=sys.stderr,
+        )
     if args.json:
         emit_json(result)
     else:
@@ -128,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
             f"sp={lay.sp} tp={lay.tp} zero={lay.zero}"
         )
         ev = result["eval_loss"]
+        if result["final_loss"] is None:
+            return 0 if result["stopped"] is None else 3
         print(
             f"final loss {result['final_loss']:.4f}, held-out loss "
             f"{'n/a' if ev is None else f'{ev:.4f}'}, {result['tokens_per_s']:,.0f} tokens/s, "

@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import sys
 import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxpar import config as C
-from jaxpar.checkpoint import Checkpointer, check_model_matches
+from jaxpar.checkpoint import Checkpointer, CheckpointWarning, check_model_matches
 from jaxpar.data import Batches, load_corpus
 from jaxpar.devices import make_mesh
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.metrics import MetricsLog, Progress, device_memory
 from jaxpar.profiling import StepProfiler
+from jaxpar.train.guard import (
+    StopRequest,
+    TensorBoard,
+    nonfinite_leaves,
+    write_nonfinite_report,
+)
 from jaxpar.train.step import Trainer
 
 
@@ -48,7 +57,9 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
     """Train as configured and return the run's summary (the ``--json`` object).
 
     ``devices`` defaults to all of JAX's devices; tests pass a subset (e.g. one device for the
-    reference run). Everything is validated before anything is compiled.
+    reference run). Everything is validated before anything is compiled. A SIGTERM/SIGINT ends
+    the run after the current step with a checkpoint (``"preempted"`` in the summary); a
+    non-finite step is skipped or stops the run per ``train.on_nonfinite``.
     """
     C.validate(cfg, n_devices=len(devices) if devices is not None else cfg.mesh.devices)
     t = cfg.train
@@ -60,30 +71,44 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         )
     batches = Batches(corpus, t.global_batch, t.seq_len, t.seed)
     profiler = StepProfiler.from_config(t)
-    if t.init_from_hf:
+    if t.init_from_hf and t.resume:
+        raise ConfigError(
+            f"train.init_from_hf={t.init_from_hf!r}: conflicts with train.resume=True (the "
+            "checkpoint already holds the weights); drop one of them (--resume-or-start "
+            "starts from the weights only when there is no checkpoint)"
+        )
+    ckpt, resume_step = _open_checkpoints(cfg)
+    if t.init_from_hf and resume_step is None:
         from jaxpar.model import hf
 
-        if t.resume:
-            raise ConfigError(
-                f"train.init_from_hf={t.init_from_hf!r}: conflicts with train.resume=True (the "
-                "checkpoint already holds the weights); drop one of them"
-            )
         hf.check(t.init_from_hf, cfg.model)  # names a mismatching tensor before compiling
-    ckpt = _open_checkpoints(cfg)
+    tb = TensorBoard(t.tensorboard_dir) if t.tensorboard_dir else None
     devices = _devices_for(cfg, devices)
     mesh = make_mesh(cfg.layout, devices)
     trainer = Trainer(cfg, mesh)
 
-    start = 0
-    if ckpt is not None and t.resume:
-        start = ckpt.latest_step()
-        check_model_matches(ckpt.read_meta(start), cfg.model)
-        state, _ = ckpt.restore(start, trainer.abstract_state())
-    else:
-        state = trainer.init_state(t.seed)
-        if t.init_from_hf:
-            state["params"] = hf.load(t.init_from_hf, cfg.model, trainer.param_shardings)
+    with StopRequest(enabled=jax.process_count() == 1) as stop:
+        start = 0
+        if resume_step is not None:
+            abstract = trainer.abstract_state()
+            ckpt.check_shapes(resume_step, abstract)  # names the parameter and both shapes
+            meta = ckpt.read_meta(resume_step)
+            check_model_matches(meta, cfg.model)
+            _warn_data_changes(meta, cfg)
+            # Read straight into this run's shardings, whatever layout wrote the checkpoint.
+            state, meta = ckpt.restore(resume_step, abstract)
+            start = int(meta.get("data_position", resume_step))
+        else:
+            state = trainer.init_state(t.seed)
+            if t.init_from_hf:
+                state["params"] = hf.load(t.init_from_hf, cfg.model, trainer.param_shardings)
+        return _train(cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices)
 
+
+def _train(
+    cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices
+) -> dict[str, Any]:
+    t = cfg.train
     metrics_path = t.metrics_file or (
         f"{t.checkpoint_dir}/metrics.jsonl" if t.checkpoint_dir else None
     )
@@ -107,56 +132,78 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
     progress = Progress(t.steps, start, enabled=t.progress and not quiet)
     losses, times, evals, skipped = [], [], [], 0
     eval_loss = None
-    stopped = None
-    for step in range(start, t.steps):
-        batch = batches.global_array(step, trainer.batch_sharding)
-        profiler.begin(step + 1)
-        t1 = time.perf_counter()
-        state, m = trainer.step(state, batch)
-        loss = float(m["loss"])
-        dt = time.perf_counter() - t1
-        profiler.end(step + 1)
-        finite = bool(m["finite"])
-        times.append(dt)
-        losses.append(loss)
-        rec = {
-            "step": step + 1,
-            "loss": loss,
-            "grad_norm": float(m["grad_norm"]),
-            "lr": float(m["lr"]),
-            "step_time_s": dt,
-            "tokens_per_s": tokens_per_step / dt,
-        }
-        if not finite:
-            skipped += 1
-            rec["nonfinite"] = True
-            log.write(rec)
-            if t.on_nonfinite == "stop":
-                stopped = (
-                    f"non-finite loss or gradient at step {step + 1}; update skipped, stopping"
-                )
-                print(f"jaxpar: {stopped}", file=sys.stderr)
+    stopped = report = None
+    done = saved_at = start
+    try:
+        for step in range(start, t.steps):
+            if stop.signal_name:
                 break
-            continue
-        log.write(rec)
-        progress.update(step + 1, loss, tokens_per_step / dt, dt)
-        done = step + 1
-        if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
-            eval_loss = evaluate(trainer, state["params"], batches, t.eval_batches)
-            evals.append({"step": done, "eval_loss": eval_loss})
-            log.write({"step": done, "eval_loss": eval_loss})
-            progress.note(f"step {done}: held-out loss {eval_loss:.4f}")
-        if ckpt is not None:
-            ckpt.save(done, state, _meta(cfg, done), force=done == t.steps)
-    progress.close()
-    profiler.close()
-    if t.export_hf:
-        from jaxpar.model import hf
+            batch = batches.global_array(step, trainer.batch_sharding)
+            profiler.begin(step + 1)
+            t1 = time.perf_counter()
+            state, m = trainer.step(state, batch)
+            loss = float(m["loss"])
+            dt = time.perf_counter() - t1
+            profiler.end(step + 1)
+            finite = bool(m["finite"])
+            times.append(dt)
+            losses.append(loss)
+            done = step + 1
+            rec = {
+                "step": done,
+                "loss": loss,
+                "grad_norm": float(m["grad_norm"]),
+                "lr": float(m["lr"]),
+                "step_time_s": dt,
+                "tokens_per_s": tokens_per_step / dt,
+            }
+            if not finite:
+                # The step already kept the previous params and optimizer state (see Trainer).
+                skipped += 1
+                rec["nonfinite"] = True
+                rec["nonfinite_leaves"] = nonfinite_leaves(m["leaf_finite"])
+                log.write(rec)
+                if t.on_nonfinite == "stop":
+                    report = str(_write_report(cfg, rec, saved_at if ckpt else None))
+                    stopped = (
+                        f"non-finite loss or gradient at step {done}; update skipped, stopping "
+                        f"(diagnostic: {report})"
+                    )
+                    print(f"jaxpar: {stopped}", file=sys.stderr)
+                    break
+                progress.note(f"step {done}: non-finite loss or gradient; update skipped")
+            else:
+                log.write(rec)
+            if tb is not None:
+                tb.scalars(done, {k: rec[k] for k in ("loss", "grad_norm", "lr", "tokens_per_s")})
+            progress.update(done, loss, tokens_per_step / dt, dt)
+            if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
+                eval_loss = evaluate(trainer, state["params"], batches, t.eval_batches)
+                evals.append({"step": done, "eval_loss": eval_loss})
+                log.write({"step": done, "eval_loss": eval_loss})
+                if tb is not None:
+                    tb.scalars(done, {"eval_loss": eval_loss})
+                progress.note(f"step {done}: held-out loss {eval_loss:.4f}")
+            if ckpt is not None and ckpt.save(done, state, _meta(cfg, done), force=done == t.steps):
+                saved_at = done
+        preempted = stop.signal_name
+        if preempted and ckpt is not None and saved_at != done:
+            ckpt.save(done, state, _meta(cfg, done), force=True)
+            saved_at = done
+        if preempted:
+            log.write({"event": "preempted", "signal": preempted, "step": done})
+        if t.export_hf:
+            from jaxpar.model import hf
 
-        hf.export(state["params"], cfg.model, t.export_hf)
-    if ckpt is not None:
-        ckpt.close()
-    log.close()
+            hf.export(state["params"], cfg.model, t.export_hf)
+    finally:  # also on an error (e.g. a failed save): flush metrics, release files
+        progress.close()
+        profiler.close()
+        if ckpt is not None:
+            ckpt.close()
+        if tb is not None:
+            tb.close()
+        log.close()
 
     steady = times[1:] or times
     step_time = statistics.median(steady) if steady else float("nan")
@@ -166,9 +213,13 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         "eval_loss": eval_loss,
         "evals": evals,
         "start_step": start,
+        "end_step": done,
         "steps": t.steps,
         "skipped_steps": skipped,
         "stopped": stopped,
+        "nonfinite_report": report,
+        "preempted": preempted,
+        "checkpoint_step": saved_at if ckpt is not None and saved_at else None,
         "tokens_per_s": tokens_per_step / step_time if steady else None,
         "step_time_s": step_time,
         "compile_time_s": compile_s,
@@ -185,34 +236,79 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
 
 
 def _meta(cfg: C.RunConfig, step: int) -> dict[str, Any]:
+    t = cfg.train
     return {
         "step": step,
+        # Batches are a pure function of (seed, step): the step is the whole data position.
         "data_position": step,
         "model": dataclasses.asdict(cfg.model),
         "layout": dataclasses.asdict(cfg.layout),
-        "seed": cfg.train.seed,
+        "seed": t.seed,
+        "data": {"source": t.data, "global_batch": t.global_batch, "seq_len": t.seq_len},
     }
 
 
-def _open_checkpoints(cfg: C.RunConfig) -> Checkpointer | None:
+def _warn_data_changes(meta: dict[str, Any], cfg: C.RunConfig) -> None:
+    """A resume with another seed or batch shape continues, but not bitwise like the original."""
     t = cfg.train
+    saved = {"seed": meta.get("seed"), **meta.get("data", {})}
+    mine = {"seed": t.seed, "source": t.data, "global_batch": t.global_batch, "seq_len": t.seq_len}
+    for k, v in mine.items():
+        if saved.get(k) is not None and saved[k] != v:
+            warnings.warn(
+                f"resuming with {k}={v!r} but the checkpoint was written with {k}={saved[k]!r}: "
+                "the data order differs from the original run",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+
+
+def _write_report(cfg: C.RunConfig, rec: dict[str, Any], last_checkpoint: int | None):
+    """Diagnostic of a non-finite step, next to the checkpoints (or metrics, or in the cwd)."""
+    t = cfg.train
+    base = t.checkpoint_dir or (str(Path(t.metrics_file).parent) if t.metrics_file else ".")
+    record = {
+        **{k: rec[k] for k in ("step", "loss", "grad_norm", "lr", "nonfinite_leaves")},
+        "loss_finite": math.isfinite(rec["loss"]),
+        "grad_norm_finite": math.isfinite(rec["grad_norm"]),
+        "policy": t.on_nonfinite,
+        "last_checkpoint_step": last_checkpoint,
+        "note": "the non-finite update was not applied and this state was not checkpointed",
+    }
+    return write_nonfinite_report(Path(base) / f"nonfinite-step{rec['step']}.json", record)
+
+
+def _open_checkpoints(cfg: C.RunConfig) -> tuple[Checkpointer | None, int | None]:
+    """The checkpointer and the step to resume from (None: start fresh); refuses to
+    overwrite, and to resume without a complete checkpoint unless ``resume_or_start``."""
+    t = cfg.train
+    want_resume = t.resume or t.resume_or_start
     if not t.checkpoint_dir:
-        if t.resume:
+        if want_resume:
             raise ConfigError("train.resume=True: needs train.checkpoint_dir (--checkpoint-dir)")
-        return None
+        return None, None
     ckpt = Checkpointer(t.checkpoint_dir, keep=t.keep_checkpoints, every=t.checkpoint_every)
-    latest = ckpt.latest_step()
-    if t.resume and latest is None:
+    existing = ckpt.all_steps()
+    if not want_resume:
+        if existing:
+            raise CheckpointError(
+                f"train.checkpoint_dir={t.checkpoint_dir!r}: already holds checkpoints up to "
+                f"step {existing[-1]}; pass --resume to continue, or choose another directory "
+                "(nothing was overwritten)"
+            )
+        return ckpt, None
+    latest = ckpt.latest_valid_step()  # warns about and sets aside newer broken ones
+    if latest is None:
+        if t.resume_or_start:
+            print(
+                f"jaxpar: no complete checkpoint in {t.checkpoint_dir!r}; starting fresh",
+                file=sys.stderr,
+            )
+            return ckpt, None
         raise CheckpointError(
-            f"train.resume=True: no complete checkpoint in {t.checkpoint_dir!r}; drop --resume "
-            "to start fresh"
+            f"train.resume=True: no complete checkpoint in {t.checkpoint_dir!r}; pass "
+            "--resume-or-start to start fresh there, or drop --resume"
         )
-    if not t.resume and latest is not None:
-        raise CheckpointError(
-            f"train.checkpoint_dir={t.checkpoint_dir!r}: already holds checkpoints up to step "
-            f"{latest}; pass --resume to continue, or choose another directory (nothing was "
-            "overwritten)"
-        )
-    if t.resume and latest >= t.steps:
+    if latest >= t.steps:
         raise ConfigError(f"train.steps={t.steps}: the checkpoint is already at step {latest}")
-    return ckpt
+    return ckpt, latest

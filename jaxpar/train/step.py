@@ -20,6 +20,7 @@ from jaxpar import sharding as shd
 from jaxpar.config import RunConfig, TrainConfig
 from jaxpar.errors import ConfigError
 from jaxpar.model import Model
+from jaxpar.train.guard import inject_nonfinite
 from jaxpar.train.zero import DataParallel, layer_wrap
 
 State = dict[str, Any]
@@ -190,6 +191,10 @@ class Trainer:
             }
         params, opt = state["params"], state["opt"]
         loss, grads = self.grads_fn(params, batch_BxT)
+        if self.cfg.train.inject_nonfinite_step:  # test hook, see jaxpar.train.guard
+            grads = inject_nonfinite(
+                grads, state["step"] + 1 == self.cfg.train.inject_nonfinite_step
+            )
         gnorm = optax.tree.norm(grads)
         updates, new_opt = self.tx.update(grads, opt, params)
         new_params = optax.apply_updates(params, updates)
@@ -203,7 +208,10 @@ class Trainer:
             "step": state["step"] + 1,
         }
         lr = lr_schedule(self.cfg.train)(state["step"])
-        return new_state, {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": ok}
+        # Per-leaf flags let the loop name the non-finite leaves in its diagnostic.
+        leaf_ok = jax.tree.map(lambda g: jnp.all(jnp.isfinite(g)), grads)
+        metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": ok, "leaf_finite": leaf_ok}
+        return new_state, metrics
 
     def _eval_fn(self, params, batch_BxT) -> jax.Array:
         return self.loss_fn(params, batch_BxT[:, :-1], batch_BxT[:, 1:])
