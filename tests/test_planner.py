@@ -43,8 +43,9 @@ def test_405b_search_is_bounded_and_flags_traps():
     cfg = C.load("llama3-405b", "h100-1024")
     out = plan(cfg, top=2)
     assert out["fits"] and 0 < out["evaluated"] < 20000
-    cfg.mesh.layout = C.LayoutConfig(dp=32, tp=16, pp=2, zero=3, microbatches=16,
-                                     schedule="1f1b", remat="full", compute_dtype="bfloat16")  # fmt: skip
+    cfg.mesh.layout = C.LayoutConfig(
+        dp=32, tp=16, pp=2, zero=3, microbatches=16, schedule="1f1b", remat="full"
+    )
     flags = " ".join(cost_layout(cfg)["flags"])
     assert "TP across nodes" in flags and "regathers" in flags
 
