@@ -38,8 +38,8 @@ from jaxpar.analysis import theory as T
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.planner.memory import Shape
 
-EFF_MAX = 0.75  # best sustained share of peak for large bf16 matmuls
-EFF_HALF = 192  # local matmul dimension at which efficiency is half of EFF_MAX
+EFF_MAX = 0.70  # best sustained share of peak (fitted: see BENCHMARKS.md, Megatron rows)
+EFF_HALF = 384  # local matmul dimension at which efficiency is half of EFF_MAX (fitted)
 DP_OVERLAP = 0.8  # share of the backward (and, for ZeRO-3, forward) that can hide dp traffic
 
 
