@@ -115,3 +115,25 @@ def test_bad_schedule_for_given_layout(capsys):
     rc, _, err = _cli(capsys, "--model", "llama2-70b", "--mesh", "a100-64", "--dp", "2",
                       "--tp", "8", "--pp", "4", "--microbatches", "2")  # fmt: skip
     assert rc == 2 and "microbatches" in err
+
+
+def test_layout_from_mesh_cli(capsys):
+    rc, out, _ = _cli(capsys, "--model", "llama2-70b", "--mesh", "a100-64", "--layout-from-mesh")
+    assert rc == 0 and "given layout: fits" in out and "interleaved v=2" in out
+
+
+def test_batch_no_layout_divides(capsys):
+    rc, out, _ = _cli(
+        capsys, "--model", "tiny", "--mesh", "h100-1024", "--global-batch", "3", "--seq", "128"
+    )
+    assert rc == 1 and "NO valid layout" in out
+    rc, _, err = _cli(capsys, "--model", "llama2-7b", "--mesh", "a100-8", "--global-batch", "0")
+    assert rc == 2 and "train.global_batch=0" in err
+
+
+def test_throughput_against_megatron_2021():
+    from jaxpar.planner.published import megatron_comparison
+
+    rows = megatron_comparison()
+    assert len(rows) == 6 and all(abs(r["error"]) < 0.15 for r in rows), rows
+    assert all(abs(r["params_b"] / float(r["model"][:-1]) - 1) < 0.01 for r in rows)

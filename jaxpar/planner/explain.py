@@ -71,6 +71,11 @@ def disagreement(base: Candidate | None, best: Candidate, base_reason: str) -> s
     lb, lp = base.layout, best.layout
     same = (lb.dp, lb.tp, lb.pp, lb.sp) == (lp.dp, lp.tp, lp.pp, lp.sp)
     ratio = base.step_time / best.step_time
+    if ratio < 0.98:
+        return (
+            f"the rule of thumb is {1 - ratio:.0%} FASTER than the search's pick: the "
+            "search space missed it (please report)"
+        )
     if ratio < 1.02:
         return "the cost model agrees with the rule of thumb (within 2%)"
     head = "same axes, different knobs" if same else "the cost model picks another split"

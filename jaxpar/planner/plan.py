@@ -84,6 +84,9 @@ def plan(cfg: C.RunConfig, top: int = 3) -> dict:
     """
     model, hw, n = cfg.model, cfg.mesh.hardware, cfg.mesh.devices
     shape = M.Shape(cfg.train.global_batch, cfg.train.seq_len)
+    for name, v in (("train.global_batch", shape.global_batch), ("train.seq_len", shape.seq)):
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}={v!r}: must be a positive integer")
     if shape.seq > model.max_seq_len:
         raise ConfigError(
             f"train.seq_len={shape.seq}: must be <= model.max_seq_len={model.max_seq_len}"
@@ -94,9 +97,9 @@ def plan(cfg: C.RunConfig, top: int = 3) -> dict:
         evaluated += 1
         lay = c.layout
         key = (lay.dp, lay.tp, lay.pp, lay.sp, lay.schedule, lay.virtual)
-        if key not in groups or c.step_time < groups[key].step_time:
+        if key not in groups or _rank(c) < _rank(groups[key]):
             groups[key] = c
-    ranked = sorted(groups.values(), key=lambda c: c.step_time)
+    ranked = sorted(groups.values(), key=_rank)
     base_lay, rule = S.baseline_layout(model, hw, n, shape)
     base = S.evaluate(model, hw, base_lay, shape) if base_lay else None
     head = f"{model.name} ({model.param_count() / 1e9:.1f} B params) on {cfg.mesh.name} "
@@ -119,6 +122,12 @@ def plan(cfg: C.RunConfig, top: int = 3) -> dict:
     return out
 
 
+def _rank(c: S.Candidate) -> tuple[float, float]:
+    """Step time first (to 6 significant digits), then the smaller memory footprint: ZeRO-1
+    ties with ZeRO-0 on time and wins on memory."""
+    return (float(f"{c.step_time:.6g}"), c.memory["total"])
+
+
 def _no_fit(cfg: C.RunConfig, shape: M.Shape, head: str, base: S.Candidate | None) -> dict:
     hw, n = cfg.mesh.hardware, cfg.mesh.devices
     lean = S.smallest_shortfall(cfg.model, hw, n, shape)
@@ -136,16 +145,27 @@ def _no_fit(cfg: C.RunConfig, shape: M.Shape, head: str, base: S.Candidate | Non
         suggestion += f", or about {more_dev} devices of this kind"
     suggestion += ", or a shorter sequence / smaller batch"
     lay = dataclasses.replace(lean["layout"])
+    if short <= 0:  # memory is not the problem: no split divides the batch or suits a schedule
+        head += (
+            f": NO valid layout — no dp size allowed by {n} devices and the model's shape "
+            f"divides the global batch {shape.global_batch} (or leaves micro-batches a schedule "
+            "accepts); choose a global batch divisible by the device count"
+        )
+        suggestion = f"a global batch divisible by {n}"
+    else:
+        head += (
+            f": NO layout fits. Smallest shortfall {human_bytes(short)} per device (leanest "
+            f"layout needs {human_bytes(total)}, {human_bytes(usable)} usable); would fit with "
+            f"{suggestion}."
+        )
     return {
-        "headline": head + f": NO layout fits. Smallest shortfall {human_bytes(short)} per "
-        f"device (leanest layout needs {human_bytes(total)}, {human_bytes(usable)} usable); "
-        f"would fit with {suggestion}.",
+        "headline": head,
         "fits": False,
         "verdict": "does not fit",
         "layout": S.layout_dict(lay, shape),
         "memory_per_device_bytes": total,
         "memory_breakdown_bytes": {k: v for k, v in lean["memory"].items() if k != "total"},
-        "shortfall_bytes": short,
+        "shortfall_bytes": max(short, 0.0),
         "suggestion": suggestion,
         "step_time_s": None,
         "tokens_per_s": None,

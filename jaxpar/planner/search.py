@@ -3,8 +3,9 @@
 The search space: tp (divisors of the head count up to two nodes), sp (Ulysses, dividing the
 heads left per tp rank and the sequence), pp (dividing the layers and the devices left), dp the
 rest; for pipelines every schedule with its allowed virtual stages; ZeRO 0–3; micro-batch size
-1, 2, 4, 8 (dividing the per-dp batch); Megatron sequence parallelism on or off; remat and
-offload. Pruning, so that a 1024-device cluster answers in about a second:
+(the divisors of the per-dp batch up to ``MAX_MB_TOKENS`` tokens, and 1); Megatron sequence
+parallelism on or off; remat and offload. Pruning, so that a 1024-device cluster answers in
+about a second:
 
 * a (tp, sp, pp) whose smallest possible footprint (ZeRO-3, everything offloadable offloaded,
   full remat) does not fit is skipped whole;
@@ -28,7 +29,7 @@ from jaxpar.planner.cost import Cost, step_cost
 from jaxpar.planner.pipe import figures, schedule_error
 
 HEADROOM = 0.92  # share of device memory a layout may use (runtime, fragmentation, NCCL buffers)
-MICROBATCH_SIZES = (1, 2, 4, 8)
+MAX_MB_TOKENS = 65536  # past this many tokens per micro-batch, matmul efficiency is saturated
 PIPE_CHOICES = (
     ("1f1b", 1),
     ("gpipe", 1),
@@ -98,6 +99,11 @@ def evaluate(
     return Candidate(lay, mem, cost, pf.bubble_fraction, hw.device_memory_bytes * HEADROOM, flags)
 
 
+def microbatch_sizes(per_dp: int, seq: int) -> list[int]:
+    """Micro-batch sizes tried: divisors of the per-dp batch, up to ``MAX_MB_TOKENS`` tokens."""
+    return [b for b in _divisors(per_dp) if b == 1 or b * seq <= MAX_MB_TOKENS]
+
+
 def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0 and (limit is None or d <= limit)]
 
@@ -141,9 +147,7 @@ def candidates(
             continue
         per_dp = shape.global_batch // dp
         pipes = PIPE_CHOICES if pp > 1 else (("1f1b", 1),)
-        for b in MICROBATCH_SIZES:
-            if per_dp % b:
-                continue
+        for b in microbatch_sizes(per_dp, shape.seq):
             m = per_dp // b
             for kind, v in pipes:
                 if pp > 1 and (model.n_layers % (pp * v) or schedule_error(kind, pp, m, v)):
