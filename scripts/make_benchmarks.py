@@ -88,27 +88,30 @@ def measure(layout: dict) -> dict | None:
     cfg = small_config(**layout)
     try:
         C.validate(cfg, n_devices=cfg.layout.n_devices)
+        cfg.train.steps = 3
         out = bench(cfg, devices=jax.devices()[: cfg.layout.n_devices], warmup=1)
     except Exception as e:  # noqa: BLE001  (a feature not landed yet: reported, not fatal)
-        return {"layout": name_of(layout), "error": f"{type(e).__name__}: {str(e)[:160]}"}
+        return {"layout": name_of(layout), "failed": f"{type(e).__name__}: {str(e)[:160]}"}
     pred = predict_memory(cfg)
     return {
         "layout": name_of(layout),
         "measured_bytes": out["memory_per_device_bytes"],
         "predicted_bytes": pred["total"],
         "predicted": pred,
-        "error": pred["total"] / out["memory_per_device_bytes"] - 1,
+        "rel_error": pred["total"] / out["memory_per_device_bytes"] - 1,
         "step_time_s": out["step_time_s"],
         "compile_s": out["compile_s"],
         "collective_bytes": out["collective_bytes"],
     }
 
 
-def zero_scaling() -> list[dict]:
+def zero_scaling(known: list[dict]) -> list[dict]:
     rows = []
     for dp in (2, 4, 8):
         for zero in (0, 1, 2, 3):
-            r = measure(dict(dp=dp, zero=zero))
+            name = name_of(dict(dp=dp, zero=zero))
+            r = next((dict(x) for x in known if x["layout"] == name), None)
+            r = r or measure(dict(dp=dp, zero=zero))
             r.update(dp=dp, zero=zero)
             cfg = small_config(dp=dp, zero=zero)
             st = T.stored_model_states(cfg.model, cfg.layout)
@@ -147,7 +150,7 @@ def plots(mem: list[dict], zero: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     PNG.mkdir(parents=True, exist_ok=True)
-    ok = [r for r in mem if "error" not in r]
+    ok = [r for r in mem if "failed" not in r]
     fig, ax = plt.subplots(figsize=(7, 3.2), dpi=80)
     xs = range(len(ok))
     ax.bar([x - 0.2 for x in xs], [r["measured_bytes"] / 2**20 for r in ok], 0.4, label="measured")
@@ -161,7 +164,7 @@ def plots(mem: list[dict], zero: list[dict]) -> None:
     fig.savefig(PNG / "memory_predicted_vs_measured.png")
     fig, ax = plt.subplots(figsize=(5, 3), dpi=80)
     for zst in (0, 1, 2, 3):
-        pts = [r for r in zero if r["zero"] == zst and "error" not in r]
+        pts = [r for r in zero if r["zero"] == zst and "failed" not in r]
         ax.plot([r["dp"] for r in pts], [r["measured_bytes"] / 2**20 for r in pts], "o-",
                 label=f"ZeRO-{zst}")  # fmt: skip
     ax.set_xscale("log", base=2)
@@ -235,10 +238,10 @@ def write_md(res: dict) -> str:
           "| layout | measured | predicted | error | step ms | vs one device |",
           "|---|---|---|---|---|---|"]  # fmt: skip
     base = next((r["step_time_s"] for r in res["memory"] if r["layout"] == "dp=1"
-                 and "error" not in r), None)  # fmt: skip
+                 and "failed" not in r), None)  # fmt: skip
     for r in res["memory"]:
-        if "error" in r and "measured_bytes" not in r:
-            L.append(f"| {r['layout']} | not run: {r['error']} | | | | |")
+        if "failed" in r:
+            L.append(f"| {r['layout']} | not run: {r['failed']} | | | | |")
             continue
         ratio = f"{r['step_time_s'] / base:.2f}×" if base else ""
         L.append(f"| {r['layout']} | {human_bytes(r['measured_bytes'])} | "
@@ -275,7 +278,14 @@ def write_md(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--raw", default=None, help="also save the raw results (JSON) here")
+    ap.add_argument("--from-raw", default=None, help="re-render from saved raw results")
     args = ap.parse_args()
+    if args.from_raw:
+        res = json.loads(Path(args.from_raw).read_text())
+        plots(res["memory"], res["zero"])
+        Path(args.out).write_text(write_md(res))
+        return
     res: dict = {}
     res["plan_70b"] = plan(C.load("llama2-70b", "a100-64"), top=3)
     res["prod_70b"] = cost_layout(C.load("llama2-70b", "a100-64"))
@@ -285,13 +295,15 @@ def main() -> None:
     res["megatron"] = megatron_comparison()
     res["schedules"] = schedule_table()
     res["memory"] = [measure(lay) for lay in LAYOUTS]
-    res["zero"] = zero_scaling()
+    res["zero"] = zero_scaling(res["memory"])
     res["bench_schedules"] = external_schedules()
+    if args.raw:
+        Path(args.raw).write_text(json.dumps(res, default=str))
     plots(res["memory"], res["zero"])
     Path(args.out).write_text(write_md(res))
     summary = {
         "plan_405b_s": res["plan_405b_s"],
-        "memory_errors": {r["layout"]: r.get("error") for r in res["memory"]},
+        "memory_errors": {r["layout"]: r.get("rel_error", r.get("failed")) for r in res["memory"]},
         "megatron_errors": {r["model"]: r["error"] for r in res["megatron"]},
     }
     print(json.dumps(summary))

@@ -28,6 +28,7 @@ Not modelled: XLA's fragmentation, pipeline receive buffers, collectives' scratc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from jaxpar.analysis import theory as T
@@ -100,13 +101,13 @@ def memory(
     chunk_layers = model.n_layers / (lay.pp * lay.virtual)
     acts = per_layer * chunk_layers * peak_stashes
     if lay.remat == "full":
-        full = LayoutConfig(**{**lay.__dict__, "remat": "none"})
+        full = dataclasses.replace(lay, remat="none")
         acts += FULL_TRANSIENT * layer_bytes(model, full, shape.seq, b)
     if lay.remat == "offload":
         acts = 0.0
     tokens = b * shape.seq / lay.sp
     head = tokens * (HEAD_COPIES * model.vocab_size / lay.tp * 4 + 4 * model.d_model * 4)
-    accum = T.stored_model_states(model, LayoutConfig(**{**lay.__dict__, "zero": 0}))["grads"]
+    accum = T.stored_model_states(model, dataclasses.replace(lay, zero=0))["grads"]
     out = {
         "params": params,
         "grads": grads,

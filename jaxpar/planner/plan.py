@@ -79,8 +79,8 @@ def plan(cfg: C.RunConfig, top: int = 3) -> dict:
     Returns the recommended layout's summary at the top level, ``alternatives`` (the best
     layout of each other (dp, tp, pp, sp, schedule) split, with ``why`` it loses), the
     ``baseline`` (rule of thumb) with a note on where the cost model disagrees, and
-    ``evaluated`` (how many layouts were costed). When nothing fits: ``fits`` false,
-    ``shortfall_bytes`` and ``suggestion``.
+    ``evaluated`` (how many layouts fit) and ``costed`` (how many were costed). When nothing
+    fits: ``fits`` false, ``shortfall_bytes`` and ``suggestion``.
     """
     model, hw, n = cfg.model, cfg.mesh.hardware, cfg.mesh.devices
     shape = M.Shape(cfg.train.global_batch, cfg.train.seq_len)
@@ -93,7 +93,8 @@ def plan(cfg: C.RunConfig, top: int = 3) -> dict:
         )
     groups: dict[tuple, S.Candidate] = {}
     evaluated = 0
-    for c in S.candidates(model, hw, n, shape):
+    counter: dict[str, int] = {}
+    for c in S.candidates(model, hw, n, shape, counter=counter):
         evaluated += 1
         lay = c.layout
         key = (lay.dp, lay.tp, lay.pp, lay.sp, lay.schedule, lay.virtual)
@@ -117,7 +118,8 @@ def plan(cfg: C.RunConfig, top: int = 3) -> dict:
     out["baseline_note"] = X.disagreement(base, best, rule)
     out["baseline_rule"] = rule
     out["evaluated"] = evaluated
-    out["headline"] = head + f": {evaluated} layouts fit; recommended:"
+    out["costed"] = counter["costed"]
+    out["headline"] = head + f": {counter['costed']} layouts costed, {evaluated} fit; recommended:"
     out["best"] = _finish(best, cfg, shape)
     return out
 

@@ -130,18 +130,27 @@ def _base(model: ModelConfig, hw: HardwareConfig, tp, sp, pp, dp, **kw) -> Layou
 
 def _lower_bound_fits(model, hw, tp, sp, pp, dp, shape) -> bool:
     """Whether the leanest variant of this split (ZeRO-3, offload, full remat, b=1) fits."""
-    lay = _base(model, hw, tp, sp, pp, dp, zero=3, remat="full", offload="params")
-    lay.microbatches = max(1, shape.global_batch // dp)
-    lay.sequence_parallel = tp > 1
-    mem = M.memory(model, lay, shape, 1)
-    return mem["total"] <= hw.device_memory_bytes * HEADROOM
+    lean = []
+    for m in (1, max(1, shape.global_batch // dp)):  # one micro-batch, or the most
+        lay = _base(model, hw, tp, sp, pp, dp, zero=3, remat="full", offload="params")
+        lay.microbatches, lay.sequence_parallel = m, tp > 1
+        lean.append(M.memory(model, lay, shape, 1)["total"])
+    return min(lean) <= hw.device_memory_bytes * HEADROOM
 
 
 def candidates(
-    model: ModelConfig, hw: HardwareConfig, n: int, shape: M.Shape, offload: bool = True
+    model: ModelConfig,
+    hw: HardwareConfig,
+    n: int,
+    shape: M.Shape,
+    offload: bool = True,
+    counter: dict[str, int] | None = None,
 ) -> Iterator[Candidate]:
     """Every layout that fits (per the pruning rules); the leanest misfits when none fit is
-    the caller's business (:func:`smallest_shortfall`)."""
+    the caller's business (:func:`smallest_shortfall`). ``counter["costed"]`` counts the
+    layouts costed, fitting or not."""
+    counter = {} if counter is None else counter
+    counter.setdefault("costed", 0)
     for tp, sp, pp, dp in shapes(model, hw, n, shape.seq):
         if shape.global_batch % dp or not _lower_bound_fits(model, hw, tp, sp, pp, dp, shape):
             continue
@@ -157,16 +166,17 @@ def candidates(
                         continue
                     for seqpar in (False, True) if tp > 1 else (False,):
                         yield from _first_fitting(
-                            model, hw, shape, offload,
+                            model, hw, shape, offload, counter,
                             dict(tp=tp, sp=sp, pp=pp, dp=dp, zero=zero, microbatches=m,
                                  schedule=kind, virtual=v, sequence_parallel=seqpar),
                         )  # fmt: skip
 
 
-def _first_fitting(model, hw, shape, offload: bool, kw: dict) -> Iterator[Candidate]:
+def _first_fitting(model, hw, shape, offload: bool, counter, kw: dict) -> Iterator[Candidate]:
     offloads = ("none", "optimizer", "params") if offload else ("none",)
     for off in offloads:
         for remat in REMATS:
+            counter["costed"] += 1
             c = evaluate(model, hw, _base(model, hw, remat=remat, offload=off, **kw), shape)
             if c.fits:
                 yield c
