@@ -79,6 +79,21 @@ def layer_bytes(model: ModelConfig, lay: LayoutConfig, seq: int, b: int) -> floa
     return ACT_OVERHEAD * tokens * (cval * BYTES[lay.compute_dtype] + fval * 4)
 
 
+_STATES: dict[tuple, dict[str, float]] = {}
+
+
+def _states(model: ModelConfig, lay: LayoutConfig, zero: int) -> dict[str, float]:
+    """:func:`theory.stored_model_states`, memoised (the search asks for it ~10⁵ times)."""
+    key = (model.n_layers, model.d_model, model.n_heads, model.n_kv_heads, model.d_ff,
+           model.vocab_size, model.hd, model.mlp, model.tied_embeddings, lay.tp, lay.pp,
+           lay.dp, lay.dp_shard, zero, lay.param_dtype)  # fmt: skip
+    if key not in _STATES:
+        if len(_STATES) > 100_000:
+            _STATES.clear()
+        _STATES[key] = T.stored_model_states(model, dataclasses.replace(lay, zero=zero))
+    return _STATES[key]
+
+
 def memory(
     model: ModelConfig, lay: LayoutConfig, shape: Shape, peak_stashes: int
 ) -> dict[str, float]:
@@ -87,7 +102,7 @@ def memory(
     ``peak_stashes``: most (stage, micro-batch) activations alive on one rank (1 without a
     pipeline); each stash holds ``n_layers / (pp·virtual)`` layers.
     """
-    st = T.stored_model_states(model, lay)
+    st = _states(model, lay, lay.zero)
     params, grads, opt = st["params"], st["grads"], st["optimizer"]
     host = 0.0
     if lay.offload in ("optimizer", "params"):
@@ -107,7 +122,7 @@ def memory(
         acts = 0.0
     tokens = b * shape.seq / lay.sp
     head = tokens * (HEAD_COPIES * model.vocab_size / lay.tp * 4 + 4 * model.d_model * 4)
-    accum = T.stored_model_states(model, dataclasses.replace(lay, zero=0))["grads"]
+    accum = _states(model, lay, 0)["grads"]
     out = {
         "params": params,
         "grads": grads,

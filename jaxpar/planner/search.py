@@ -12,6 +12,8 @@ about a second:
 * remat is tried cheapest first (none, selective, full) and the first that fits is kept — a
   slower remat of the same layout can never rank higher;
 * offload is tried only when no remat fits without it;
+* Megatron sequence parallelism is always on with tp > 1: it moves the same bytes as plain TP
+  (all-gather + reduce-scatter instead of all-reduce) and stores less, so it never loses;
 * pipeline figures come from :mod:`jaxpar.planner.pipe` (cached, extrapolated in m).
 """
 
@@ -164,12 +166,11 @@ def candidates(
                 for zero in (0, 1, 2, 3):
                     if zero and dp == 1:
                         continue
-                    for seqpar in (False, True) if tp > 1 else (False,):
-                        yield from _first_fitting(
-                            model, hw, shape, offload, counter,
-                            dict(tp=tp, sp=sp, pp=pp, dp=dp, zero=zero, microbatches=m,
-                                 schedule=kind, virtual=v, sequence_parallel=seqpar),
-                        )  # fmt: skip
+                    yield from _first_fitting(
+                        model, hw, shape, offload, counter,
+                        dict(tp=tp, sp=sp, pp=pp, dp=dp, zero=zero, microbatches=m,
+                             schedule=kind, virtual=v, sequence_parallel=tp > 1),
+                    )  # fmt: skip
 
 
 def _first_fitting(model, hw, shape, offload: bool, counter, kw: dict) -> Iterator[Candidate]:
@@ -177,10 +178,12 @@ def _first_fitting(model, hw, shape, offload: bool, counter, kw: dict) -> Iterat
     for off in offloads:
         for remat in REMATS:
             counter["costed"] += 1
-            c = evaluate(model, hw, _base(model, hw, remat=remat, offload=off, **kw), shape)
-            if c.fits:
-                yield c
-                return
+            lay = _base(model, hw, remat=remat, offload=off, **kw)
+            stashes = figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual).peak_stashes
+            if M.memory(model, lay, shape, stashes)["total"] > hw.device_memory_bytes * HEADROOM:
+                continue  # memory first: the time terms only for layouts that fit
+            yield evaluate(model, hw, lay, shape)
+            return
 
 
 def smallest_shortfall(model: ModelConfig, hw: HardwareConfig, n: int, shape: M.Shape) -> dict:
