@@ -56,6 +56,8 @@ def test_pipe_extrapolation_matches_exact_tables():
         assert a.extrapolated and not b.extrapolated
         assert a.ticks == b.ticks and a.peak_stashes == b.peak_stashes
         assert a.bubble_fraction == pytest.approx(b.bubble_fraction, abs=1e-9)
+        a, b = figures(kind, p, m, v, lockstep=False), figures(kind, p, m, v, True, False)
+        assert a.bubble_fraction == pytest.approx(b.bubble_fraction, abs=1e-9)
 
 
 @pytest.mark.parametrize("layout", [dict(dp=2, tp=4, zero=1), dict(dp=8, zero=1, remat="full")])

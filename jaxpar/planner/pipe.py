@@ -3,8 +3,8 @@
 The planner needs, per (schedule, p, m, v): the lock-step bubble fraction (jaxpar's executor
 runs the tick table in lock step), the number of ticks (one point-to-point exchange each) and the
 peak number of stashed (stage, micro-batch) activations on the busiest rank. Building a schedule
-with many micro-batches costs tens of milliseconds, so figures for ``m`` beyond ``4p`` are
-extrapolated from ``m0 = 4p + m mod p``: past the warm-up the steady phase repeats, so each extra
+with many micro-batches costs tens of milliseconds, so figures for ``m`` beyond ``2p`` are
+extrapolated from ``m0 = 2p + m mod p``: past the warm-up the steady phase repeats, so each extra
 period of ``p`` micro-batches adds a fixed makespan and tick count (measured from the exact
 figures at ``m0`` and ``m0 + p``: lock-step ticks last as long as their slowest action, so the
 steady increment is not just the work), while the fill/drain idle time and the peak stash count
@@ -67,7 +67,7 @@ def figures(
     if p == 1:
         return PipeFigures(0.0, 1.0, m, 1, False)
     check_arguments(kind, p, m, v)
-    m0 = m if exact or m <= 4 * p else 4 * p + m % p
+    m0 = m if exact or m <= 2 * p else 2 * p + m % p
     makespan, ticks, peak = _exact(kind, p, m0, v, lockstep)
     extra = m - m0
     if extra:
