@@ -1,0 +1,140 @@
+"""``jaxpar bench``: compile and time the train step of a layout; report throughput and MFU.
+
+Reuses :class:`jaxpar.train.step.Trainer` (no training loop of its own): compile once (timed),
+run ``--warmup`` steps, then ``--steps`` timed steps (each synchronised with
+``block_until_ready``), and report the median. Model FLOPs per token are
+``theory.train_flops_per_token`` (6Ψ + 12·l·h·s, no recompute: MFU, not HFU), against the
+mesh file's ``peak_flops_bf16``. On GPU the step runs as configured (``--compute-dtype
+bfloat16`` is the mesh files' default there). jaxpar's attention is the unfused einsum form in
+``jaxpar.model.layers.causal_attention``; a fused kernel (``jax.nn.dot_product_attention``) is
+the model's business and not used yet, so long sequences pay its s×s scores in memory and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "compile and time the train step: step time, tokens/s, TFLOP/s, MFU, memory, collectives"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``jaxpar bench``: those of ``jaxpar train`` plus ``--warmup``/``--profile``."""
+    from jaxpar.commands.train import add_arguments as train_arguments
+
+    train_arguments(p)
+    p.set_defaults(steps=None)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    p.add_argument("--profile", default=None, metavar="DIR", help="write a jax.profiler trace")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate, compile, time, report."""
+    from jaxpar import config as C
+    from jaxpar.commands.train import build_config
+    from jaxpar.devices import simulate_cpu_devices
+    from jaxpar.errors import ConfigError
+    from jaxpar.report import emit_json
+
+    cfg = build_config(args)
+    if args.steps is None:
+        cfg.train.steps = 10
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup {args.warmup}: must be >= 0")
+    C.validate(cfg, n_devices=cfg.mesh.devices)
+    if cfg.mesh.hardware.platform == "cpu":
+        simulate_cpu_devices(cfg.mesh.devices)
+    result = bench(cfg, warmup=args.warmup, profile=args.profile)
+    if args.json:
+        emit_json(result)
+    else:
+        print(
+            f"{cfg.model.name} on {result['devices']} {result['platform']} devices "
+            f"{result['layout']}: compile {result['compile_s']:.1f} s, step "
+            f"{result['step_time_s'] * 1e3:.1f} ms (median of {result['steps']}), "
+            f"{result['tokens_per_s']:,.0f} tokens/s, {result['tflops_per_device']:.3g} "
+            f"TFLOP/s/device, MFU {result['mfu']:.1%} of {result['peak_tflops']:.3g}, "
+            f"{result['memory_per_device_bytes'] / 2**20:.1f} MiB/device, collectives "
+            f"{result['collective_bytes'] / 2**20:.1f} MiB/device/step"
+        )
+    return 0
+
+
+def bench(cfg, devices=None, warmup: int = 2, profile: str | None = None) -> dict:
+    """Time ``cfg``'s step on ``devices`` (default: all JAX devices). Returns the JSON summary:
+    ``compile_s``, ``step_time_s`` (median), ``step_times_s``, ``tokens_per_s``,
+    ``tflops_per_device``, ``mfu``, ``memory_per_device_bytes`` (XLA's compiled total, or the
+    allocator's peak where the platform reports one: ``memory_source``), ``compiled_memory``,
+    ``collective_bytes`` (per device per step) and ``collectives`` (by kind and axes)."""
+    import statistics
+    import time
+
+    import jax
+
+    from jaxpar.analysis import theory as T
+    from jaxpar.analysis.hlo import collective_bytes, compiled_memory
+    from jaxpar.data import Batches, load_corpus
+    from jaxpar.devices import make_mesh
+    from jaxpar.train.loop import _devices_for
+    from jaxpar.train.step import Trainer
+
+    t = cfg.train
+    devices = _devices_for(cfg, devices)
+    mesh = make_mesh(cfg.layout, devices)
+    trainer = Trainer(cfg, mesh)
+    t0 = time.perf_counter()
+    compiled = trainer.compile_step()
+    compile_s = time.perf_counter() - t0
+    batches = Batches(load_corpus(t.data, cfg.model.vocab_size, t.data_dtype), t.global_batch,
+                      t.seq_len, t.seed)  # fmt: skip
+    state = trainer.init_state(t.seed)
+    data = [batches.global_array(i, trainer.batch_sharding) for i in range(2)]
+    for i in range(warmup):
+        state, metrics = trainer.step(state, data[i % 2])
+    jax.block_until_ready(state)
+    if profile:
+        jax.profiler.start_trace(profile)
+    times = []
+    for i in range(t.steps):
+        t1 = time.perf_counter()
+        state, metrics = trainer.step(state, data[i % 2])
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t1)
+    if profile:
+        jax.profiler.stop_trace()
+    step = statistics.median(times)
+    n = len(devices)
+    tokens = t.global_batch * t.seq_len
+    flops = T.train_flops_per_token(cfg.model, t.seq_len) * tokens / step / n
+    peak = cfg.mesh.hardware.peak_flops_bf16
+    mem = compiled_memory(compiled)
+    measured, source = mem["total"], "compiled"
+    try:
+        stats = devices[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001  (backends without allocator statistics)
+        stats = {}
+    if stats.get("peak_bytes_in_use"):
+        measured, source = stats["peak_bytes_in_use"], "allocator_peak"
+    coll = collective_bytes(compiled, mesh)
+    lay = cfg.layout
+    return {
+        "model": cfg.model.name,
+        "platform": devices[0].platform,
+        "devices": n,
+        "layout": {a: getattr(lay, a) for a in ("dp", "tp", "pp", "sp", "zero", "microbatches",
+                                                  "schedule", "virtual", "remat", "offload")},
+        "compile_s": compile_s,
+        "steps": len(times),
+        "step_time_s": step,
+        "step_times_s": times,
+        "tokens_per_s": tokens / step,
+        "tflops_per_device": flops / 1e12,
+        "peak_tflops": peak / 1e12,
+        "mfu": flops / peak,
+        "memory_per_device_bytes": measured,
+        "memory_source": source,
+        "compiled_memory": mem,
+        "collective_bytes": coll.total.bytes,
+        "collectives": coll.to_dict(),
+        "final_loss": float(metrics["loss"]),
+        "profile_dir": profile,
+    }  # fmt: skip

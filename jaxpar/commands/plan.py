@@ -1,0 +1,96 @@
+"""``jaxpar plan``: recommend a layout for a model on a cluster, or cost a given layout."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "choose the layout for a model on a cluster; predict its memory and step time"
+
+LAYOUT_FLAGS = (
+    "dp",
+    "tp",
+    "pp",
+    "sp",
+    "zero",
+    "microbatches",
+    "schedule",
+    "virtual",
+    "sp_mode",
+    "remat",
+    "offload",
+    "compute_dtype",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``jaxpar plan``."""
+    from jaxpar.commands.train import FLAGS
+
+    p.add_argument("--model", required=True, help="model name (models/NAME.yaml) or YAML path")
+    p.add_argument("--mesh", required=True, help="mesh name (meshes/NAME.yaml) or YAML path")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
+    p.add_argument("--top", type=int, default=3, help="alternatives to show")
+    p.add_argument("--devices", type=int, default=None, help="override the mesh's device count")
+    for name in LAYOUT_FLAGS:
+        _, typ, text = FLAGS[name]
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
+                       help=text + " (costs that exact layout)")  # fmt: skip
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="Megatron sequence parallelism over tp (given layout)")  # fmt: skip
+    p.add_argument(
+        "--layout-from-mesh",
+        action="store_true",
+        help="cost the mesh file's own layout instead of searching",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def _raw_hardware(mesh: str) -> dict | None:
+    from jaxpar import config as C
+
+    path = C._resolve(mesh, C.MESHES_DIR, "mesh")
+    return C._read_yaml(path).get("hardware")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Search (or cost the given layout), print the plan; exit 1 when nothing fits."""
+    from jaxpar import config as C
+    from jaxpar.planner import check_hardware, cost_layout, plan
+    from jaxpar.planner.explain import render
+    from jaxpar.report import emit_json
+
+    cfg = C.load(args.model, args.mesh)
+    check_hardware(_raw_hardware(args.mesh), cfg.mesh)
+    if args.global_batch is not None:
+        C.override(cfg, "train.global_batch", args.global_batch)
+    if args.seq is not None:
+        C.override(cfg, "train.seq_len", args.seq)
+    if args.devices is not None:
+        C.override(cfg, "mesh.devices", args.devices)
+    given = [n for n in LAYOUT_FLAGS if getattr(args, n) is not None]
+    if args.sequence_parallel:
+        given.append("sequence_parallel")
+    if given or args.layout_from_mesh:
+        if not args.layout_from_mesh:
+            # a given layout starts from the defaults, not from the mesh file's layout
+            cfg.mesh.layout = C.LayoutConfig(dp=1, tp=1, compute_dtype=_dtype(cfg))
+        for n in given:
+            C.override(cfg, f"layout.{n}", getattr(args, n) if n != "sequence_parallel" else True)
+        result = cost_layout(cfg)
+    else:
+        if args.top < 0:
+            from jaxpar.errors import ConfigError
+
+            raise ConfigError(f"--top {args.top}: must be >= 0")
+        result = plan(cfg, top=args.top)
+    if args.json:
+        print(result["headline"])
+        emit_json({k: v for k, v in result.items() if k != "headline"})
+    else:
+        print(render(result))
+    return 0 if result.get("fits", False) else 1
+
+
+def _dtype(cfg) -> str:
+    return "bfloat16" if cfg.mesh.hardware.platform == "gpu" else "float32"

@@ -1,0 +1,17 @@
+"""``jaxpar bench`` on the small config: figures are consistent with each other."""
+
+import jax
+
+from jaxpar.commands.bench import bench
+
+
+def test_bench_reports_consistent_figures(make_cfg, tmp_path):
+    cfg = make_cfg(dp=2)
+    cfg.train.steps = 2
+    out = bench(cfg, devices=jax.devices()[:2], warmup=1, profile=str(tmp_path / "trace"))
+    assert out["steps"] == 2 and out["compile_s"] > 0
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    assert abs(out["tokens_per_s"] * out["step_time_s"] - tokens) < 1e-6 * tokens
+    assert 0 < out["mfu"] and out["memory_per_device_bytes"] > 0
+    assert out["collective_bytes"] > 0  # dp=2 reduces gradients
+    assert any((tmp_path / "trace").rglob("*"))
