@@ -54,15 +54,16 @@ def _ckpt_cfg(make_cfg, path, steps, every, **layout):
 
 
 def test_restore_onto_another_layout_continues_like_one_device(make_cfg, tmp_path):
-    """Saved under dp 8 ZeRO-3, restored under dp 4 × tp 2 ZeRO-1: losses of the whole run
-    equal an uninterrupted single-device run."""
+    """Saved under dp 8 ZeRO-3, restored under dp 2 × sp 2 (Ulysses) × tp 2 with Megatron SP,
+    ZeRO-1 (the widest layout on main; no pipeline yet): losses of the whole run equal an
+    uninterrupted single-device run."""
     ref_cfg = make_cfg(dp=1)
     ref_cfg.train.steps = 6
     ref = run(ref_cfg, devices=jax.devices()[:1])["losses"]
 
     first = _ckpt_cfg(make_cfg, tmp_path, 3, 3, dp=8, zero=3)
     a = run(first, devices=jax.devices())["losses"]
-    second = _ckpt_cfg(make_cfg, tmp_path, 6, 3, dp=4, tp=2, zero=1)
+    second = _ckpt_cfg(make_cfg, tmp_path, 6, 3, dp=2, sp=2, tp=2, zero=1, sequence_parallel=True)
     second.train.resume = True
     out = run(second, devices=jax.devices())
     assert out["start_step"] == 3
