@@ -213,6 +213,26 @@ class DataParallel:
 
     # ---- the gradient function --------------------------------------------------------------
 
+    def _gspmd(self, params, batch_BxT) -> tuple[jax.Array, Any]:
+        """Loss and gradients over the global batch under GSPMD alone, accumulated over
+        micro-batches; the caller constrains the result to the stage's gradient sharding."""
+        from jaxpar.train.step import microbatch_split  # noqa: PLC0415
+
+        tokens, targets = batch_BxT[:, :-1], batch_BxT[:, 1:]
+        vg = jax.value_and_grad(self.tr.loss_fn)
+        if self.k == 1:
+            return vg(params, tokens, targets)
+
+        def body(carry, mb):
+            loss_sum, acc = carry
+            loss, g = vg(params, mb[0], mb[1])
+            return (loss_sum + loss, jax.tree.map(jnp.add, acc, g)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        mbs = (microbatch_split(tokens, self.k), microbatch_split(targets, self.k))
+        (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
+        return loss_sum / self.k, jax.tree.map(lambda a: a / self.k, acc)
+
     def _local(self, params, batch_BxT):
         with shd.use_rules(self.inner_rules):
             # A varying copy: autodiff then returns local gradients, no implicit psum.
@@ -253,7 +273,21 @@ class DataParallel:
             return jax.lax.pmean(loss, self.axes), g
 
     def grads(self, params, batch_BxT) -> tuple[jax.Array, Any]:
-        """Mean loss and mean gradients over the global batch (``grads_fn`` contract)."""
+        """Mean loss and mean gradients over the global batch (``grads_fn`` contract).
+
+        Two layouts leave the data-parallel reduction to GSPMD (the stage's shardings still
+        apply; see :meth:`_gspmd`):
+
+        * a single dp rank — nothing to reduce, and a manual region over a size-1 ``dp`` axis
+          with ``tp`` automatic inside makes XLA's partitioner reject the psum ("cross-partition
+          allreduce must be in manual partitioning mode");
+        * ``sp > 1`` — inside the manual-dp region the partitioner cannot move Ulysses'
+          tp-major head layout with an all-to-all and falls back to replicating the tensor
+          ("involuntary full rematerialization", measured on jax 0.10.2), and ring attention's
+          own ``shard_map`` over ``sp`` would nest inside it.
+        """
+        if self.n == 1 or self.tr.cfg.layout.sp > 1:
+            return self._gspmd(params, batch_BxT)
         fn = jax.shard_map(
             self._local,
             in_specs=(self.param_in, P(self.axes, None)),
