@@ -99,8 +99,11 @@ def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
     else:
         attention = "ring" if sp > 1 else "local"
         attn_seq, attn_heads, shards = ("sp",), ("tp",), tp
+    # Pipeline: stacked layers split over pp at rest (rank r holds layers r·L/pp ...).
+    layers = (("layers", ("pp",)),) if layout.pp > 1 else ()
     return Rules(
         (
+            *layers,
             ("batch", dp_axes(layout)),
             ("act_seq", act_seq),
             ("seq", ("sp",)),

@@ -178,7 +178,17 @@ class Trainer:
         The data-parallel reduction is explicit per ZeRO stage (:mod:`jaxpar.train.zero`);
         gradients come back in the optimizer's sharding, in the parameter dtype.
         """
-        loss, grads = self.dp.grads(params, batch_BxT)
+        if self.cfg.layout.pp > 1:
+            from jaxpar.pipeline.grads import pipeline_grads
+
+            remat = self.cfg.layout.remat
+            loss, grads = pipeline_grads(
+                self.model, params, batch_BxT[:, :-1], batch_BxT[:, 1:], self.cfg.layout,
+                self.compute_dtype, wrap=remat_wrap(remat) if remat == "selective" else None,
+                recompute=remat == "full",
+            )  # fmt: skip
+        else:
+            loss, grads = self.dp.grads(params, batch_BxT)
         return loss, jax.lax.with_sharding_constraint(grads, shd.named(self.mesh, self.grad_specs))
 
     def _step_fn(self, state: State, batch_BxT: jax.Array):
