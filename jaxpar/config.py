@@ -376,6 +376,9 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             f"{lay.pp}*{lay.virtual}={lay.pp * lay.virtual}"
         )
 
+    if lay.pp > 1:
+        _check_pipeline(lay)
+
     for name in (
         "steps",
         "global_batch",
@@ -438,6 +441,27 @@ def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
     # kv heads need no rule of their own: when query heads split over the shards, repeating
     # each kv head n_heads/n_kv_heads times (i.e. MHA) splits too, and
     # jaxpar.model.attention.kv_repeat picks the smallest repeat that does.
+
+
+def _check_pipeline(lay: LayoutConfig) -> None:
+    """Schedule arguments via the schedule library's own rules (``make_schedule``)."""
+    from jaxpar.pipeline.schedules import make_schedule
+
+    try:
+        make_schedule(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+    except ConfigError as e:
+        raise ConfigError(f"layout.{e} (pp={lay.pp})") from None
+    # Combinations the pipeline executor has not been verified with are refused, not ignored.
+    if lay.remat == "offload":
+        raise ConfigError("layout.remat='offload': not supported with pp > 1 (use full or selective)")
+    if lay.zero == 3:
+        raise ConfigError("layout.zero=3: not yet supported with pp > 1 (use zero 0, 1 or 2)")
+    if lay.sp > 1:
+        raise ConfigError(f"layout.sp={lay.sp}: sequence parallelism not yet supported with pp > 1")
+    if lay.offload != "none" or lay.dp_shard:
+        raise ConfigError(
+            f"layout.offload={lay.offload!r}/dp_shard={lay.dp_shard}: not yet supported with pp > 1"
+        )
 
 
 def _get(cfg: RunConfig, dotted: str) -> Any:

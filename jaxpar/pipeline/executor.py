@@ -232,8 +232,12 @@ def run_pipeline(
             d_params, _ = pullback(c, row)(g)
             return add_grads(c, row, d_params), msg0
 
+        # Kinds the table never uses get the idle branch: less to compile (no I/W for 1F1B).
+        used = set(np.unique(plan.arrays["kind"]).tolist())
+        branches = [f if k in used else idle for k, f in enumerate((idle, fwd, bwd, inp, wgt))]
+
         def tick(c, row):
-            c, out = jax.lax.switch(row["kind"], [idle, fwd, bwd, inp, wgt], c, row)
+            c, out = jax.lax.switch(row["kind"], branches, c, row)
             # Both ring directions every tick (collective-permute over pp); the receiver's
             # table says which arrival is real and where it goes.
             from_prev = jax.lax.ppermute(out, "pp", [(i, (i + 1) % p) for i in range(p)])
