@@ -88,7 +88,9 @@ def arrange(layers: Any, plan: Plan, specs: Any) -> Any:
 
     def one(a, spec):
         if not plan.identity:
-            a = jnp.take(a, plan.order, axis=0)  # collective-permute over pp (non-standard placement)
+            a = jnp.take(
+                a, plan.order, axis=0
+            )  # collective-permute over pp (non-standard placement)
         a = a.reshape(s.p, s.v, plan.per_chunk, *a.shape[1:])
         return jax.lax.with_sharding_constraint(a, spec)
 
@@ -115,7 +117,9 @@ def stage_specs(layer_specs: Any) -> Any:
 
     def one(spec: P) -> P:
         rest = [None if a == "dp" else a for a in list(spec)[1:]]
-        rest = [tuple(x for x in a if x != "dp") or None if isinstance(a, tuple) else a for a in rest]
+        rest = [
+            tuple(x for x in a if x != "dp") or None if isinstance(a, tuple) else a for a in rest
+        ]
         return P("pp", None, None, *rest)
 
     return jax.tree.map(one, layer_specs, is_leaf=lambda x: isinstance(x, P))
@@ -174,7 +178,9 @@ def run_pipeline(
             x_in = jnp.where(
                 s == 0,
                 jax.lax.dynamic_index_in_dim(x_all, j, keepdims=False),
-                jax.lax.dynamic_index_in_dim(c["act"], jnp.maximum(row["in_slot"], 0), keepdims=False),
+                jax.lax.dynamic_index_in_dim(
+                    c["act"], jnp.maximum(row["in_slot"], 0), keepdims=False
+                ),
             )
             y, res = stash.forward(chunk_params(row["chunk"]), x_in)
             c = dict(c, stash=write_slot(c["stash"], slot, res))
