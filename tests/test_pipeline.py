@@ -89,7 +89,7 @@ def test_tick_scan_does_not_unroll(make_cfg):
             text = jax.jit(tr.grads_fn).lower(tr.abstract_params, batch).as_text()
         return len(text.splitlines())
 
-    assert lowered_lines(32) == lowered_lines(8)
+    assert lowered_lines(32) <= 1.02 * lowered_lines(8)  # unrolled ticks would be ~4x
 
 
 @pytest.mark.parametrize(
