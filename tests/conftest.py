@@ -31,7 +31,7 @@ def small_config(**layout) -> C.RunConfig:
     cfg.train.warmup_steps = 2
     cfg.train.eval_every = 0
     cfg.train.progress = False
-    cfg.layout.dp, cfg.layout.tp = 1, 1
+    cfg.layout.dp, cfg.layout.tp, cfg.layout.pp, cfg.layout.microbatches = 1, 1, 1, 1
     for k, v in layout.items():
         setattr(cfg.layout, k, v)
     cfg.mesh.devices = cfg.layout.n_devices
