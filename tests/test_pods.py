@@ -32,6 +32,7 @@ max_seq_len: 64
 # The CLI spelling of tests/conftest.py's small_config (dp=4, tp=2).
 TRAIN_ARGS = [
     "--global-batch", "16", "--seq-len", "32", "--steps", "5", "--dp", "4", "--tp", "2",
+    "--pp", "1", "--microbatches", "1",
     "-o", "train.warmup_steps=2", "--eval-every", "0", "--no-progress", "--json",
 ]  # fmt: skip
 
