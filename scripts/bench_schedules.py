@@ -6,7 +6,7 @@ Also: the 1F1B / GPipe temporaries ratio at m = 16 and the compile time of one s
 m = 8 versus m = 32 (the tick scan keeps it flat). Writes a PNG of the timelines side by side.
 Prints one JSON object.
 
-    python scripts/bench_schedules.py [--png schedules.png] [--steps 3]
+    python scripts/bench_schedules.py [--png F.png] [--steps 3] [--parts schedules,memory,compile]
 """
 
 from __future__ import annotations
@@ -92,10 +92,12 @@ def main() -> int:
     ap.add_argument("--png", default="schedules.png")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--parts", default="schedules,memory,compile", help="comma-separated subset")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     result: dict = {"pp": P, "schedules": {}}
     scheds = []
-    for kind, (m, v) in SCHEDULES.items():
+    for kind, (m, v) in SCHEDULES.items() if "schedules" in parts else ():
         s = make_schedule(kind, P, m, v)
         scheds.append(s)
         st = s.stats()
@@ -110,17 +112,18 @@ def main() -> int:
         row.update(measure(kind, m, v, 32, args.seq, args.steps))
         result["schedules"][kind] = row
         print(kind, row, file=sys.stderr, flush=True)
-    plot_schedules(scheds, args.png)
-    result["png"] = args.png
+    if scheds:
+        plot_schedules(scheds, args.png)
+        result["png"] = args.png
 
-    # Memory: 1F1B versus GPipe at m = 16 (in-flight p versus m).
-    mem = {k: measure(k, 16, 1, 32, args.seq, 0)["memory"]["temp"] for k in ("gpipe", "1f1b")}
-    result["temp_bytes_m16"] = mem
-    result["temp_ratio_1f1b_over_gpipe_m16"] = round(mem["1f1b"] / mem["gpipe"], 4)
+    if "memory" in parts:  # 1F1B versus GPipe at m = 16 (in-flight p versus m)
+        mem = {k: measure(k, 16, 1, 32, args.seq, 0)["memory"]["temp"] for k in ("gpipe", "1f1b")}
+        result["temp_bytes_m16"] = mem
+        result["temp_ratio_1f1b_over_gpipe_m16"] = round(mem["1f1b"] / mem["gpipe"], 4)
 
-    # Compile time at m = 8 versus m = 32 (same schedule, same model; batch 32).
-    ct = {m: measure("1f1b", m, 1, 32, args.seq, 0)["compile_s"] for m in (8, 32)}
-    result["compile_s_1f1b"] = {"m8": ct[8], "m32": ct[32], "ratio": round(ct[32] / ct[8], 3)}
+    if "compile" in parts:  # m = 8 versus m = 32 (same schedule, same model; batch 32)
+        ct = {m: measure("1f1b", m, 1, 32, args.seq, 0)["compile_s"] for m in (8, 32)}
+        result["compile_s_1f1b"] = {"m8": ct[8], "m32": ct[32], "ratio": round(ct[32] / ct[8], 3)}
     print(json.dumps(result))
     return 0
 
