@@ -32,17 +32,17 @@ def test_unknown_override(capsys):
 
 
 def test_axes_must_multiply_to_device_count(capsys):
-    line = _err(capsys, ["train", "--dp", "2", "--tp", "2"])
+    line = _err(capsys, ["train", "--dp", "2", "--tp", "2", "--pp", "1"])
     assert "4" in line and "8" in line and "device" in line
 
 
 def test_heads_not_divisible_by_tp(capsys):
-    line = _err(capsys, ["train", "--devices", "3", "--dp", "1", "--tp", "3"])
+    line = _err(capsys, ["train", "--devices", "3", "--dp", "1", "--tp", "3", "--pp", "1"])
     assert "layout.tp=3" in line and "n_heads" in line
 
 
 def test_batch_not_divisible_by_dp(capsys):
-    line = _err(capsys, ["train", "--dp", "8", "--tp", "1", "--global-batch", "12"])
+    line = _err(capsys, ["train", "--dp", "8", "--tp", "1", "--pp", "1", "--global-batch", "12"])
     assert "global_batch=12" in line and "dp=8" in line
 
 
