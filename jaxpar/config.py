@@ -453,9 +453,9 @@ def _check_pipeline(lay: LayoutConfig) -> None:
         raise ConfigError(f"layout.{e} (pp={lay.pp})") from None
     # Combinations the pipeline executor has not been verified with are refused, not ignored.
     if lay.remat == "offload":
-        raise ConfigError("layout.remat='offload': not supported with pp > 1 (use full or selective)")
-    if lay.zero == 3:
-        raise ConfigError("layout.zero=3: not yet supported with pp > 1 (use zero 0, 1 or 2)")
+        raise ConfigError(
+            "layout.remat='offload': not supported with pp > 1 (use full or selective)"
+        )
     if lay.sp > 1:
         raise ConfigError(f"layout.sp={lay.sp}: sequence parallelism not yet supported with pp > 1")
     if lay.offload != "none" or lay.dp_shard:

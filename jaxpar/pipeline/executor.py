@@ -116,9 +116,10 @@ def stage_specs(layer_specs: Any) -> Any:
     """
 
     def one(spec: P) -> P:
-        rest = [None if a == "dp" else a for a in list(spec)[1:]]
+        dp = ("dp", "dpr", "dps")
+        rest = [None if a in dp else a for a in list(spec)[1:]]
         rest = [
-            tuple(x for x in a if x != "dp") or None if isinstance(a, tuple) else a for a in rest
+            tuple(x for x in a if x not in dp) or None if isinstance(a, tuple) else a for a in rest
         ]
         return P("pp", None, None, *rest)
 
