@@ -227,7 +227,8 @@ def cli(tmp_path_factory):
     def args(ckdir, every, *extra):
         return [
             *("train", "--model", str(root / "m.yaml"), "--devices", "4", "--dp", "2"),
-            *("--tp", "2", "--zero", "1", "--steps", str(STEPS), "--global-batch", "16"),
+            *("--tp", "2", "--pp", "1", "--microbatches", "1", "--zero", "1"),
+            *("--steps", str(STEPS), "--global-batch", "16"),
             *("--seq-len", "32", "--eval-every", "0", "--no-progress", "--data", "synthetic"),
             "-o",
             *("train.warmup_steps=2", "--checkpoint-dir", str(ckdir)),
