@@ -32,6 +32,7 @@ def small_config(**layout) -> C.RunConfig:
     cfg.train.eval_every = 0
     cfg.train.progress = False
     cfg.layout.dp, cfg.layout.tp, cfg.layout.pp, cfg.layout.microbatches = 1, 1, 1, 1
+    cfg.layout.remat = "none"  # the cpu-8 default recomputes; tests choose remat explicitly
     for k, v in layout.items():
         setattr(cfg.layout, k, v)
     cfg.mesh.devices = cfg.layout.n_devices
