@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxpar.config import ModelConfig
+from jaxpar.config import MODEL_SHAPE_FIELDS, ModelConfig
 from jaxpar.errors import CheckpointError
 
 MANIFEST = "jaxpar_manifest.json"
@@ -280,19 +280,8 @@ def _path(keypath: tuple) -> str:
 def check_model_matches(meta: dict[str, Any], model: ModelConfig) -> None:
     """Refuse a checkpoint written for another model shape, naming the first difference."""
     saved = meta.get("model", {})
-    shape_fields = (
-        "n_layers",
-        "d_model",
-        "n_heads",
-        "n_kv_heads",
-        "d_ff",
-        "vocab_size",
-        "head_dim",
-        "mlp",
-        "tied_embeddings",
-    )
     mine = dataclasses.asdict(model)
-    for f in shape_fields:
+    for f in MODEL_SHAPE_FIELDS:
         if f in saved and saved[f] != mine[f]:
             raise CheckpointError(
                 f"checkpoint model.{f}={saved[f]!r} does not match the configured "

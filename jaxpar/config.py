@@ -299,9 +299,11 @@ def override(cfg: RunConfig, dotted: str, value: Any) -> None:
 # --------------------------------------------------------------------------------------------
 # Validation
 
-# Features whose config fields exist but whose implementation has not landed refuse clearly.
-# Each entry: (field, predicate on its value meaning "unsupported", message).
-NOT_YET: list[tuple[str, Any, str]] = []
+# The fields that define a model's parameter shapes (a checkpoint must agree on all of them).
+MODEL_SHAPE_FIELDS = (
+    "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "head_dim", "mlp",
+    "tied_embeddings",
+)  # fmt: skip
 
 
 def _positive(where: str, value: Any) -> None:
@@ -423,10 +425,6 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
             "or a path to a .bin file)"
         )
-    for fld, unsupported, message in NOT_YET:
-        value = _get(cfg, fld)
-        if unsupported(value):
-            raise ConfigError(f"{fld}={value!r}: {message}")
 
 
 def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
@@ -462,13 +460,6 @@ def _check_pipeline(lay: LayoutConfig) -> None:
         raise ConfigError(
             f"layout.offload={lay.offload!r}/dp_shard={lay.dp_shard}: not yet supported with pp > 1"
         )
-
-
-def _get(cfg: RunConfig, dotted: str) -> Any:
-    obj: Any = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

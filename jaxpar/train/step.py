@@ -7,7 +7,6 @@ explicit in/out shardings and donated state.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,16 +48,6 @@ def make_optimizer(t: TrainConfig, logical_axes: Any) -> optax.GradientTransform
         optax.clip_by_global_norm(t.grad_clip),
         optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask),
     )
-
-
-def remat_wrap(policy: str) -> Callable[[Callable], Callable] | None:
-    """How the per-layer body is rematerialised: ``none``, ``full``, ``selective``, ``offload``.
-
-    ``selective`` saves matmul outputs and recomputes the cheap elementwise work (norms,
-    activations, softmax); ``full`` keeps only each layer's input; ``offload`` saves the weight
-    matmuls' outputs in ``pinned_host`` memory (see :func:`jaxpar.train.zero.remat_policy`).
-    """
-    return layer_wrap(policy)
 
 
 def host_memory_kind(devices) -> str | None:
@@ -169,7 +158,7 @@ class Trainer:
     def loss_fn(self, params, tokens_BxS, targets_BxS) -> jax.Array:
         """Mean loss of one (micro-)batch under the layout's precision and remat policy."""
         return self.model.loss(
-            params, tokens_BxS, targets_BxS, self.compute_dtype, remat_wrap(self.cfg.layout.remat)
+            params, tokens_BxS, targets_BxS, self.compute_dtype, layer_wrap(self.cfg.layout.remat)
         )
 
     def grads_fn(self, params, batch_BxT) -> tuple[jax.Array, Any]:
@@ -184,7 +173,7 @@ class Trainer:
             remat = self.cfg.layout.remat
             loss, grads = pipeline_grads(
                 self.model, params, batch_BxT[:, :-1], batch_BxT[:, 1:], self.cfg.layout,
-                self.compute_dtype, wrap=remat_wrap(remat) if remat == "selective" else None,
+                self.compute_dtype, wrap=layer_wrap(remat) if remat == "selective" else None,
                 recompute=remat == "full",
             )  # fmt: skip
         else:
