@@ -449,16 +449,16 @@ def _check_pipeline(lay: LayoutConfig) -> None:
         make_schedule(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
     except ConfigError as e:
         raise ConfigError(f"layout.{e} (pp={lay.pp})") from None
-    # Combinations the pipeline executor has not been verified with are refused, not ignored.
+    # Combinations the pipeline executor does not run correctly are refused, not ignored.
     if lay.remat == "offload":
         raise ConfigError(
-            "layout.remat='offload': not supported with pp > 1 (use full or selective)"
+            "layout.remat='offload': not supported with pp > 1 (the stash slots live in device "
+            "memory; use full or selective)"
         )
-    if lay.sp > 1:
-        raise ConfigError(f"layout.sp={lay.sp}: sequence parallelism not yet supported with pp > 1")
-    if lay.offload != "none" or lay.dp_shard:
+    if lay.sp > 1 and lay.sp_mode == "ring":
         raise ConfigError(
-            f"layout.offload={lay.offload!r}/dp_shard={lay.dp_shard}: not yet supported with pp > 1"
+            f"layout.sp_mode='ring' (sp={lay.sp}): not yet supported with pp > 1 (use "
+            "--sp-mode ulysses)"
         )
 
 

@@ -4,7 +4,7 @@
 parameter) and what jaxpar itself stores (:func:`jaxpar.analysis.theory.stored_model_states`).
 :func:`measure` compiles the real train step and reads XLA's per-device memory analysis and the
 collectives of the optimized HLO. :func:`dp_comm_theory` states the data-parallel traffic a
-ZeRO stage should have in jaxpar's implementation (:mod:`jaxpar.train.zero`).
+ZeRO stage should have in jaxpar's implementation (:mod:`jaxpar.train.reduce`).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.attention import causal_attention, kv_repeat, ring_attention
+from jaxpar.model.names import weight
 from jaxpar.sharding import active_rules, constrain
 
 
@@ -106,7 +107,7 @@ class Attention(nnx.Module):
         o_BxSxHxDh = constrain(o_BxSxHxDh, ("batch", "seq", "heads", "head_dim"))
         # Row-parallel: contracting the tp-sharded heads gives partial sums -> one all-reduce
         # over tp (a reduce-scatter onto the sequence shards under Megatron-SP).
-        out = jnp.einsum("bshk,hkd->bsd", o_BxSxHxDh, self.wo[...].astype(dt))
+        out = jnp.einsum("bshk,hkd->bsd", o_BxSxHxDh, weight(self.wo[...].astype(dt)))
         return constrain(out, ("batch", "act_seq", "embed"))
 
     @staticmethod
@@ -128,7 +129,7 @@ def _fused_columns(ws: list[jax.Array], tp: int, dt, logical: tuple) -> jax.Arra
     """Column-parallel weights ``[D, N_i, ...]`` (N_i on tp) fused per TP rank into
     ``[D, tp, Σ N_i/tp, ...]``: a local concatenation, no collective."""
     parts = [w.reshape(w.shape[0], tp, w.shape[1] // tp, *w.shape[2:]) for w in ws]
-    return constrain(jnp.concatenate(parts, axis=2).astype(dt), logical)
+    return weight(constrain(jnp.concatenate(parts, axis=2).astype(dt), logical))
 
 
 class MLP(nnx.Module):
@@ -158,10 +159,11 @@ class MLP(nnx.Module):
             b, s, _ = x_BxSxD.shape
             h_BxSxF = (jax.nn.silu(gate) * up).reshape(b, s, -1)
         else:
-            h_BxSxF = jax.nn.gelu(x_BxSxD @ self.w_up[...].astype(dt))
+            h_BxSxF = jax.nn.gelu(x_BxSxD @ weight(self.w_up[...].astype(dt)))
         h_BxSxF = constrain(h_BxSxF, ("batch", "seq", "mlp"))
         # Row-parallel: all-reduce over tp (reduce-scatter onto sequence shards under SP).
-        return constrain(h_BxSxF @ self.w_down[...].astype(dt), ("batch", "act_seq", "embed"))
+        w_FxD = weight(self.w_down[...].astype(dt))
+        return constrain(h_BxSxF @ w_FxD, ("batch", "act_seq", "embed"))
 
 
 class Block(nnx.Module):

@@ -225,7 +225,8 @@ def _train(
         "compile_time_s": compile_s,
         "params": cfg.model.param_count(),
         "memory": memory,
-        "layout": dataclasses.asdict(cfg.layout),
+        # What the compiled step does over dp (jaxpar.train.reduce.REDUCTION_NAMES).
+        "layout": {**dataclasses.asdict(cfg.layout), "dp_reduction": trainer.dp_reduction},
         "model": cfg.model.name,
         "mesh": cfg.mesh.name,
         "devices": len(devices),
