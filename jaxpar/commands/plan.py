@@ -30,11 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", required=True, help="mesh name (meshes/NAME.yaml) or YAML path")
     from jaxpar.commands import _checks as K
 
-    p.add_argument("--global-batch", type=K.positive_int, default=None, help="sequences per step")
-    p.add_argument("--seq", type=K.positive_int, default=None, help="tokens per sequence")
+    # --global-batch, --seq and --devices are checked as the fields they set (check_values)
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
     p.add_argument("--top", type=K.nonneg_int, default=3, help="alternatives to show")
-    p.add_argument("--devices", type=K.positive_int, default=None,
-                   help="override the mesh's device count")  # fmt: skip
+    p.add_argument("--devices", type=int, default=None, help="override the mesh's device count")
     for name in LAYOUT_FLAGS:
         _, typ, text = FLAGS[name]
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from jaxpar.commands import _checks as K
 
@@ -154,6 +155,16 @@ def dry_run(cfg, args: argparse.Namespace, verb: str = "train") -> int:
     if (t.resume or t.resume_or_start) and not t.checkpoint_dir:
         raise C.ConfigError("train.resume=True: needs train.checkpoint_dir (--checkpoint-dir)")
     load_data(cfg)  # the vocabulary check (token files are memory-mapped, not read)
+    outputs = {f: getattr(t, f) for f in ("checkpoint_dir", "tensorboard_dir", "profile_dir",
+                                            "export_hf")}  # fmt: skip
+    if t.metrics_file:
+        outputs["metrics_file"] = str(Path(t.metrics_file).parent)
+    for name, path in outputs.items():
+        try:
+            if path:
+                K.writable_dir(path)
+        except argparse.ArgumentTypeError as e:
+            raise C.ConfigError(f"train.{name}={getattr(t, name)!r}: {e}") from None
     pc = process_config(args.coordinator, args.num_processes, args.process_id)
     mem = memory_estimate(cfg)
     lay = cfg.layout
