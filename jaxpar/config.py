@@ -330,6 +330,7 @@ MODEL_SHAPE_FIELDS = (
 MAX_COUNT = 2**40
 MAX_OF = {"mesh.devices": 2**20, "train.global_batch": 2**24, "train.seq_len": 2**24,
           "model.max_seq_len": 2**24}  # fmt: skip
+MAX_SCHEDULE_ACTIONS = 2**18  # a pipeline schedule table of more takes minutes to build
 MAX_SEED = 2**32 - 1  # jax.random.key and numpy's SeedSequence both take uint32 seeds
 
 
@@ -500,9 +501,6 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             f"{lay.pp}*{lay.virtual}={lay.pp * lay.virtual}"
         )
 
-    if lay.pp > 1:
-        _check_pipeline(lay)
-
     if t.seq_len > m.max_seq_len:
         raise ConfigError(
             f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
@@ -522,6 +520,8 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         raise ConfigError(
             f"train.seq_len={t.seq_len}: must be divisible by the sequence shards ({div})"
         )
+    if lay.pp > 1:  # after the batch rules: micro-batches are bounded by the batch now
+        _check_pipeline(lay)
     if t.data not in ("stdlib", "synthetic") and not Path(t.data).exists():
         raise ConfigError(
             f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
@@ -547,6 +547,12 @@ def _check_pipeline(lay: LayoutConfig) -> None:
     """Schedule arguments via the schedule library's own rules (``make_schedule``)."""
     from jaxpar.pipeline.schedules import make_schedule
 
+    size = lay.pp * lay.microbatches * lay.virtual
+    if size > MAX_SCHEDULE_ACTIONS:
+        raise ConfigError(
+            f"layout.microbatches={lay.microbatches}: pp*microbatches*virtual={size} must be at "
+            f"most {MAX_SCHEDULE_ACTIONS} (the pipeline runs one table of that many actions)"
+        )
     try:
         make_schedule(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
     except ConfigError as e:

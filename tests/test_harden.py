@@ -212,27 +212,28 @@ def test_bad_mesh_and_hugging_face_config(tmp_path, capsys):
 
 
 def test_dry_run_validates_and_estimates_without_compiling(capsys, model_yaml):
-    """The layout resolved, the planner's memory estimate printed (the same figures as
-    ``jaxpar memory``), exit 0, and not one compilation."""
+    """The layout resolved, the planner's memory estimate printed (the figures ``jaxpar plan``
+    gives the same layout), exit 0, and not one compilation."""
     before = len(_compiles)
-    argv = ["train", "--model", str(model_yaml), "--dp", "4", "--tp", "2", "--pp", "1"]
-    argv += ["--microbatches", "2", "--zero", "3", "--global-batch", "16", "--seq-len", "32"]
-    argv += ["--dry-run", "--json"]
-    assert main(argv) == 0
+    layout = ["--dp", "4", "--tp", "2", "--pp", "1", "--microbatches", "2", "--zero", "3",
+              "--remat", "full"]  # fmt: skip
+    argv = ["train", "--model", str(model_yaml), *layout, "--global-batch", "16"]
+    assert main([*argv, "--seq-len", "32", "--dry-run", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["dry_run"] is True and out["layout"]["dp"] == 4 and out["layout"]["zero"] == 3
-    assert main(["memory", "--model", str(model_yaml), "--dp", "4", "--tp", "2", "--zero", "3",
-                 "--microbatch-size", "2", "--microbatches", "2", "--seq", "32", "--remat", "full",
-                 "--json"]) == 0  # fmt: skip
-    mem = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["memory"] == mem
-    assert main(["bench", "--model", str(model_yaml), "--dp", "8", "--pp", "1", "--tp", "1",
-                 "--microbatches", "1", "--seq-len", "32", "--dry-run"]) == 0  # fmt: skip
+    assert main(["plan", "--model", str(model_yaml), "--mesh", "cpu-8", *layout,
+                 "--global-batch", "16", "--seq", "32", "--json"]) == 0  # fmt: skip
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["memory"]["per_device_bytes"] == plan["memory_per_device_bytes"] > 0
+    assert out["memory"]["breakdown_bytes"] == plan["memory_breakdown_bytes"]
+    # every schedule, also those without a closed form (zbv: the schedule library's peak)
+    assert main(["bench", "--model", str(model_yaml), "--devices", "2", "--dp", "1", "--tp",
+                 "1", "--pp", "2", "--microbatches", "8", "--schedule", "zbv", "--virtual", "2",
+                 "--seq-len", "32", "--dry-run"]) == 0  # fmt: skip
     assert "nothing was compiled" in capsys.readouterr().out
     # a bad layout is still refused (the pipeline schedule's own rule)
-    line = _one_line(capsys, ["train", "--model", str(model_yaml), "--dry-run", "--pp", "2",
-                              "--dp", "4", "--tp", "1", "--microbatches", "1",
-                              "--seq-len", "32"])  # fmt: skip
+    line = _one_line(capsys, [*argv, "--dry-run", "--pp", "2", "--dp", "4", "--tp", "1",
+                              "--microbatches", "1", "--seq-len", "32"])  # fmt: skip
     assert "microbatches" in line
     assert len(_compiles) == before
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 
 from jaxpar.commands import _checks as K
+from jaxpar.config import MAX_SCHEDULE_ACTIONS
 from jaxpar.errors import ConfigError
 from jaxpar.pipeline.schedules import KINDS, make_schedule
 from jaxpar.pipeline.timing import stats
 from jaxpar.report import emit_json
 
-MAX_ACTIONS = 2**18  # about 15 s to build and simulate (linear in p*m*v)
 HELP = "Show a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV) and its bubble."
 
 
@@ -45,10 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build, print and optionally plot the schedule; errors raise ConfigError (exit 2)."""
     size = args.stages * args.microbatches * (args.virtual or 2)
-    if size > MAX_ACTIONS:
+    if size > MAX_SCHEDULE_ACTIONS:
         raise ConfigError(
-            f"--stages*--microbatches*--virtual={size}: at most {MAX_ACTIONS} (a larger table "
-            "takes minutes to build and cannot be read)"
+            f"--stages*--microbatches*--virtual={size}: at most {MAX_SCHEDULE_ACTIONS} (a "
+            "larger table takes minutes to build and cannot be read)"
         )
     sched = make_schedule(args.kind, args.stages, args.microbatches, args.virtual)
     st = stats(sched)

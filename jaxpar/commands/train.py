@@ -127,13 +127,21 @@ def build_config(args: argparse.Namespace):
 
 
 def memory_estimate(cfg) -> dict:
-    """The planner's per-device memory estimate for ``cfg``'s layout (what ``jaxpar memory``
-    prints for it). The one place ``--dry-run`` reaches into the cost model."""
-    from jaxpar.analysis.memory import theory
+    """The planner's per-device memory estimate for ``cfg``'s layout, as ``jaxpar plan`` costs
+    a given layout: ``per_device_bytes``, ``breakdown_bytes`` (params, grads, grad_accum,
+    optimizer, activations with the schedule library's peak stashes, head, host),
+    ``usable_bytes`` and ``fits``. The one place ``--dry-run`` reaches into the cost model."""
+    from jaxpar.planner import memory as M
+    from jaxpar.planner.search import evaluate
 
-    lay = cfg.layout
-    mb = cfg.train.global_batch // lay.dp // lay.microbatches
-    return theory(lay, cfg.model, seq=cfg.train.seq_len, microbatch_size=mb)
+    shape = M.Shape(cfg.train.global_batch, cfg.train.seq_len)
+    c = evaluate(cfg.model, cfg.mesh.hardware, cfg.layout, shape)
+    return {
+        "per_device_bytes": c.memory["total"],
+        "breakdown_bytes": {k: v for k, v in c.memory.items() if k != "total"},
+        "usable_bytes": c.usable,
+        "fits": c.fits,
+    }
 
 
 def dry_run(cfg, args: argparse.Namespace, verb: str = "train") -> int:
@@ -183,17 +191,20 @@ def dry_run(cfg, args: argparse.Namespace, verb: str = "train") -> int:
     if args.json:
         emit_json(out)
         return 0
-    st = mem["stored"]
+    parts = ", ".join(
+        f"{k} {human_bytes(v)}" for k, v in mem["breakdown_bytes"].items() if v and k != "host"
+    )
+    host = mem["breakdown_bytes"].get("host")
     print(
         f"dry run: model {cfg.model.name} ({cfg.model.param_count() / 1e6:.1f} M params) on "
         f"{cfg.mesh.devices} {cfg.mesh.hardware.platform} devices: pp={lay.pp} dp={lay.dp} "
-        f"sp={lay.sp} tp={lay.tp} zero={lay.zero}, {lay.microbatches} micro-batches"
+        f"sp={lay.sp} tp={lay.tp} zero={lay.zero}, {lay.microbatches} micro-batches, "
+        f"schedule {lay.schedule if lay.pp > 1 else '-'}, remat {lay.remat}"
     )
     print(
-        f"memory per device (planner estimate): model states "
-        f"{human_bytes(st['model_states_bytes'])} (params {human_bytes(st['params_bytes'])}, "
-        f"grads {human_bytes(st['grads_bytes'])}, optimizer {human_bytes(st['optimizer_bytes'])})"
-        f", activations {human_bytes(st['activations_bytes'])}; nothing was compiled"
+        f"memory per device (planner estimate): {human_bytes(mem['per_device_bytes'])} of "
+        f"{human_bytes(mem['usable_bytes'])} usable, {'fits' if mem['fits'] else 'does NOT fit'}"
+        f" ({parts}{f'; host {human_bytes(host)}' if host else ''}); nothing was compiled"
     )
     return 0
 
