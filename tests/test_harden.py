@@ -395,6 +395,32 @@ def test_full_disk_is_one_line(tmp_path, model_yaml):
 # ---- multi-process preemption ---------------------------------------------------------------
 
 
+def test_launch_passes_a_signal_on_to_every_process():
+    """The launcher's first SIGTERM becomes a SIGTERM to each child (which then agree on a
+    step); its second kills them."""
+    from jaxpar.commands.launch import _Forward
+
+    code = "import signal, sys, time\n"
+    code += "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\nprint('ready', flush=True)\n"
+    code += "time.sleep(60)\n"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        with _Forward(procs) as forward:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert [p.wait(timeout=30) for p in procs] == [7, 7] and forward.count == 1
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.stdout.close()
+
+
 def _child(launcher: int, process_id: int) -> int:
     """PID of ``jaxpar launch``'s child with JAXPAR_PROCESS_ID=process_id (Linux /proc)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
