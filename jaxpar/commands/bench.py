@@ -23,8 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     train_arguments(p)
     p.set_defaults(steps=None)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-    p.add_argument("--profile", default=None, metavar="DIR", help="write a jax.profiler trace")
+    from jaxpar.commands import _checks as K
+
+    p.add_argument("--warmup", type=K.nonneg_int, default=2, help="untimed steps after compiling")
+    p.add_argument("--profile", type=K.writable_dir, default=None, metavar="DIR",
+                   help="write a jax.profiler trace")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
         cfg.train.steps = 10
     if args.warmup < 0:
         raise ConfigError(f"--warmup {args.warmup}: must be >= 0")
+    if args.dry_run:  # validate and estimate memory; nothing compiled (jaxpar train --dry-run)
+        from jaxpar.commands.train import dry_run
+
+        return dry_run(cfg, args, "bench")
     C.validate(cfg, n_devices=cfg.mesh.devices)
     if cfg.mesh.hardware.platform == "cpu":
         simulate_cpu_devices(cfg.mesh.devices)

@@ -23,18 +23,23 @@ HELP = "Per-device memory (ZeRO convention and jaxpar's storage); --measure comp
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``jaxpar memory``."""
+    from jaxpar.commands import _checks as K
+    from jaxpar.config import DTYPES, REMAT
+
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="model name or YAML (default tiny)")
-    src.add_argument("--params", type=float, default=None, help="parameter count Ψ instead")
+    src.add_argument(
+        "--params", type=K.positive_float, default=None, help="parameter count Ψ instead"
+    )
     for axis in ("dp", "tp", "pp", "sp"):
-        parser.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size")
-    parser.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
-    parser.add_argument("--dp-shard", type=int, default=0, help="hybrid sharding group size")
-    parser.add_argument("--microbatch-size", type=int, default=1, help="per dp rank")
-    parser.add_argument("--microbatches", type=int, default=1, help="accumulation steps")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length")
-    parser.add_argument("--remat", default="none", help="none|full|selective|offload")
-    parser.add_argument("--compute-dtype", default="float32")
+        parser.add_argument(f"--{axis}", type=K.positive_int, default=1, help=f"{axis} size")
+    parser.add_argument("--zero", type=K.int_in(0, 3), default=0, help="ZeRO stage 0-3")
+    parser.add_argument("--dp-shard", type=K.nonneg_int, default=0, help="hybrid sharding group")
+    parser.add_argument("--microbatch-size", type=K.positive_int, default=1, help="per dp rank")
+    parser.add_argument("--microbatches", type=K.positive_int, default=1, help="accumulation")
+    parser.add_argument("--seq", type=K.positive_int, default=None, help="sequence length")
+    parser.add_argument("--remat", default="none", choices=REMAT, help="recompute policy")
+    parser.add_argument("--compute-dtype", default="float32", choices=DTYPES)
     parser.add_argument("--measure", action="store_true", help="compile on simulated devices")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
 
