@@ -14,7 +14,18 @@ import sys
 
 from jaxpar.errors import JaxparError
 
-VERBS = ("train", "schedule", "memory", "comm", "plan", "bench", "launch")
+VERBS = (
+    "train",
+    "schedule",
+    "memory",
+    "comm",
+    "plan",
+    "bench",
+    "launch",
+    "data",
+    "eval",
+    "generate",
+)
 
 
 def _load(verb: str):

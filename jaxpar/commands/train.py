@@ -15,6 +15,12 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "seq_len": ("train.seq_len", int, "tokens per sequence"),
     "lr": ("train.lr", float, "peak learning rate"),
     "data": ("train.data", str, "'stdlib' (embedded corpus), 'synthetic', or a .bin token file"),
+    "eval_data": (
+        "train.eval_data",
+        str,
+        "held-out .bin token file (default: the sidecar's validation file, else the last 5%%)",
+    ),
+    "data_dtype": ("train.data_dtype", str, "uint8 | uint16 | uint32: a .bin without sidecar"),
     "checkpoint_dir": ("train.checkpoint_dir", str, "where orbax checkpoints go"),
     "checkpoint_every": ("train.checkpoint_every", int, "steps between checkpoints"),
     "keep_checkpoints": ("train.keep_checkpoints", int, "complete checkpoints to keep"),

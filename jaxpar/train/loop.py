@@ -63,12 +63,7 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
     """
     C.validate(cfg, n_devices=len(devices) if devices is not None else cfg.mesh.devices)
     t = cfg.train
-    corpus = load_corpus(t.data, cfg.model.vocab_size, t.data_dtype)
-    if corpus.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size}: smaller than the data's vocabulary "
-            f"({corpus.vocab_size})"
-        )
+    corpus = load_corpus(t.data, cfg.model.vocab_size, t.data_dtype, t.eval_data)
     batches = Batches(corpus, t.global_batch, t.seq_len, t.seed)
     profiler = StepProfiler.from_config(t)
     if t.init_from_hf and t.resume:
@@ -134,6 +129,7 @@ def _train(
     eval_loss = None
     stopped = report = None
     done = saved_at = start
+    meta = lambda step: _meta(cfg, step, batches.corpus.tokenizer)  # noqa: E731
     try:
         for step in range(start, t.steps):
             if stop.signal_name:
@@ -184,11 +180,11 @@ def _train(
                 if tb is not None:
                     tb.scalars(done, {"eval_loss": eval_loss})
                 progress.note(f"step {done}: held-out loss {eval_loss:.4f}")
-            if ckpt is not None and ckpt.save(done, state, _meta(cfg, done), force=done == t.steps):
+            if ckpt is not None and ckpt.save(done, state, meta(done), force=done == t.steps):
                 saved_at = done
         preempted = stop.signal_name
         if preempted and ckpt is not None and saved_at != done:
-            ckpt.save(done, state, _meta(cfg, done), force=True)
+            ckpt.save(done, state, meta(done), force=True)
             saved_at = done
         if preempted:
             log.write({"event": "preempted", "signal": preempted, "step": done})
@@ -235,7 +231,7 @@ def _train(
     }
 
 
-def _meta(cfg: C.RunConfig, step: int) -> dict[str, Any]:
+def _meta(cfg: C.RunConfig, step: int, tokenizer: dict | None = None) -> dict[str, Any]:
     t = cfg.train
     return {
         "step": step,
@@ -245,6 +241,8 @@ def _meta(cfg: C.RunConfig, step: int) -> dict[str, Any]:
         "layout": dataclasses.asdict(cfg.layout),
         "seed": t.seed,
         "data": {"source": t.data, "global_batch": t.global_batch, "seq_len": t.seq_len},
+        # What `jaxpar generate` decodes this model's tokens with.
+        "tokenizer": tokenizer,
     }
 
 
