@@ -239,6 +239,8 @@ def prepare(
     except BaseException:
         for w in writers:
             w.abort()
+        if bar is not None:
+            bar.leave = False  # erase it: the error is the one line left
         raise
     finally:
         if bar is not None:
@@ -309,10 +311,11 @@ def _encoded(chunks, spec: str, eos: str | None, workers: int):
 
 
 def _bar(total: int, enabled: bool):
-    if not enabled:
-        return None
+    """A byte-count progress bar on stderr, when stderr is a terminal."""
     import sys
 
+    if not enabled or not sys.stderr.isatty():
+        return None
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, dynamic_ncols=True)
