@@ -135,6 +135,9 @@ def resolve(args: argparse.Namespace, layout_flags: tuple[str, ...], **layout: A
         value = getattr(args, name, None)
         if value is not None:
             C.override(cfg, FLAGS[name][0], value)
+    # Evaluation and sampling run the whole model as one program (no schedule): layers merely
+    # rest on the pp ranks. Micro-batches only have to satisfy the schedule's validation.
+    cfg.layout.microbatches = max(cfg.layout.pp * cfg.layout.virtual, 1)
     cfg.mesh.devices = args.devices or cfg.layout.n_devices
     if cfg.mesh.devices < cfg.layout.n_devices:
         raise ConfigError(

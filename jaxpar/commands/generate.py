@@ -80,7 +80,13 @@ def run(args: argparse.Namespace) -> int:
     gen = Generator(Model(m), mesh, trainer.rules, DTYPES[src.cfg.layout.compute_dtype])
     out = gen.generate(params, prompts, args.max_new_tokens, sampling, args.seed, tok.eos_id)
     completions = [
-        {"prompt": text, "text": tok.decode(ids), "prompt_tokens": len(p), "new_tokens": len(ids)}
+        {
+            "prompt": text,
+            "text": tok.decode(ids),
+            "prompt_tokens": len(p),
+            "new_tokens": len(ids),
+            "token_ids": ids,
+        }  # fmt: skip
         for text, p, ids in zip(texts, prompts, out.tokens, strict=True)
     ]
     result = {
