@@ -22,8 +22,10 @@ emits the end-of-text token stops; the loop ends when every row has stopped.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,3 +269,19 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, max_seq_len: in
                 f"prompt {i + 1}: {len(x)} tokens + --max-new-tokens={max_new_tokens} exceed the "
                 f"context model.max_seq_len={max_seq_len}"
             )
+
+
+@contextlib.contextmanager
+def count_compilations() -> Iterator[list[str]]:
+    """Collect one entry per XLA backend compilation inside the block (jax.monitoring)."""
+    seen: list[str] = []
+
+    def listener(name: str, *args, **kwargs) -> None:
+        if name.endswith("backend_compile_duration"):
+            seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -9,7 +9,7 @@ import pytest
 from jaxpar import config as C
 from jaxpar.cli import main
 from jaxpar.devices import make_mesh
-from jaxpar.generate import Generator, Sampling, next_token
+from jaxpar.generate import Generator, Sampling, count_compilations, next_token
 from jaxpar.model import Model, hf
 from jaxpar.sharding import rules_for, use_rules
 
@@ -51,14 +51,9 @@ def test_cached_decode_equals_recomputing_the_sequence(setup):
 
 
 def _count_compiles(fn):
-    n = []
-    listener = lambda name, *a, **k: n.append(1) if "backend_compile" in name else None  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_compilations() as seen:
         fn()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return len(n)
+    return len(seen)
 
 
 def test_no_recompilation_per_token(setup):

@@ -35,6 +35,9 @@ def test_quickstart_notebook_runs(monkeypatch):
         "image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", [])
     )  # the schedule and the loss plot
     assert "max relative difference" in text
+    # Own text: prepared (train + held-out tokens), trained, sampled through the KV cache.
+    assert "held out (" in text and "'split': 'train'" in text and "'dtype': 'uint16'" in text
+    assert "new tokens; decode" in text and "--- 2:" in text
     # Re-initialising with another device count: the clear message, not a crash.
     assert "JAX is already initialised with 8 CPU devices" in text
     assert "restart the Python process or notebook kernel" in text

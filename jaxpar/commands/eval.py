@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         required=True,
-        help="token file (.bin) to evaluate on, e.g. the NAME.val.bin of `jaxpar data prepare`",
+        help="token file (.bin) to evaluate on, e.g. the NAME.val.bin of `jaxpar data "
+        "prepare`, or 'stdlib' (the embedded corpus's held-out files)",
     )
     p.add_argument(
         "--max-batches", type=int, default=None, help="evaluate at most this many batches"
@@ -64,16 +65,21 @@ def evaluate(src, tokens, max_batches: int | None = None):
 def run(args: argparse.Namespace) -> int:
     """Validate, load, evaluate, report."""
     import dataclasses
+    from pathlib import Path
 
     from jaxpar import inference
-    from jaxpar.data import check_vocab, open_token_file
+    from jaxpar.data import TokenFile, check_vocab, open_token_file, stdlib_corpus
     from jaxpar.errors import ConfigError
     from jaxpar.report import emit_json
 
     if args.max_batches is not None and args.max_batches < 1:
         raise ConfigError(f"--max-batches={args.max_batches}: must be a positive integer")
     src = inference.resolve(args, LAYOUT_FLAGS)
-    f = open_token_file(args.data, src.cfg.train.data_dtype, "--data")
+    if args.data == "stdlib":  # the embedded corpus's held-out files (bytes)
+        corpus = stdlib_corpus()
+        f = TokenFile(Path("stdlib"), corpus.heldout, 256, "bytes", {"tokenizer": corpus.tokenizer})
+    else:
+        f = open_token_file(args.data, src.cfg.train.data_dtype, "--data")
     check_vocab(f, src.cfg.model.vocab_size)
     if src.tokenizer and f.tokenizer and src.tokenizer != f.tokenizer:
         print(

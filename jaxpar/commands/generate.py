@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     tok = inference.tokenizer_for(src, args.tokenizer)
     if tok is None:
         raise ConfigError(
-            "--tokenizer: the weights name no tokenizer (trained on synthetic tokens?); pass "
+            "--tokenizer: none known for these weights (the checkpoint names none, e.g. trained "
+            "on synthetic tokens, or the Hugging Face directory has no tokenizer.json); pass "
             "--tokenizer DIR or 'byte'"
         )
     if tok.vocab_size > m.vocab_size:
