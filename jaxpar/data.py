@@ -162,6 +162,12 @@ def _read_sidecar(path: Path, where: str) -> dict[str, Any] | None:
     ):
         if not ok(meta.get(key)):
             raise ConfigError(f"{side}: {key}={meta.get(key)!r}: invalid")
+    top = int(np.iinfo(np.dtype(meta["dtype"])).max)
+    if meta["vocab_size"] > top + 1:
+        raise ConfigError(
+            f"{side}: vocab_size={meta['vocab_size']}: more ids than dtype={meta['dtype']} holds "
+            f"({top + 1})"
+        )
     return meta
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,11 +189,17 @@ def load_params(src: Source, shardings: Any) -> Any:
     }
     # A read-only manager with the generic pytree handler: the train state was written by the
     # standard handler (same format), and partial_restore leaves the optimizer state on disk.
-    mgr = ocp.CheckpointManager(
-        Path(src.checkpoint_dir).absolute(),
-        options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-        item_handlers={"state": ocp.PyTreeCheckpointHandler()},
-    )
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns that a read-only manager will not save
+    try:
+        mgr = ocp.CheckpointManager(
+            Path(src.checkpoint_dir).absolute(),
+            options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+            item_handlers={"state": ocp.PyTreeCheckpointHandler()},
+        )
+    finally:
+        absl.setLevel(level)
     try:
         restore = ocp.args.PyTreeRestore(
             item=abstract,

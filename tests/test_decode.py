@@ -119,15 +119,39 @@ def test_bad_input_one_line(hf_dir, tmp_path, capsys, extra, needle):
     assert len(err) == 1 and err[0].startswith("jaxpar generate: error:") and needle in err[0], err
 
 
-def test_generate_cli_json(hf_dir, capsys):
+def test_generate_cli_json(hf_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("import\n\nclass A:\n")
     argv = ["generate", "--init-from-hf", hf_dir, "--tokenizer", "byte", "--prompt", "def f(",
-            "--prompt", "import", "--max-new-tokens", "6", "--temperature", "0", "--tp", "2",
-            "--devices", "8", "--json"]  # fmt: skip
+            "--prompts-file", str(prompts), "--max-new-tokens", "6", "--temperature", "0",
+            "--tp", "2", "--devices", "8", "--json"]  # fmt: skip
     assert main(argv) == 0
     import json
 
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [c["prompt"] for c in r["completions"]] == ["def f(", "import"]
-    assert [c["prompt_tokens"] for c in r["completions"]] == [6, 6]
-    assert r["tp"] == 2 and r["batch"] == 2 and r["sampling"]["temperature"] == 0
+    assert [c["prompt"] for c in r["completions"]] == ["def f(", "import", "class A:"]
+    assert [c["prompt_tokens"] for c in r["completions"]] == [6, 6, 8]
+    assert all(c["text"] == bytes(c["token_ids"]).decode() for c in r["completions"]
+               if all(0 < t < 128 for t in c["token_ids"]))  # fmt: skip
+    assert r["tp"] == 2 and r["batch"] == 3 and r["sampling"]["temperature"] == 0
     assert r["tokens_per_s"] > 0 and r["tokenizer"] == {"kind": "byte"}
+
+
+def test_eval_of_hf_weights_is_the_mean_window_loss(setup, hf_dir, tmp_path, capsys):
+    """``jaxpar eval`` = the mean of Model.loss over consecutive windows, on any layout."""
+    import json
+
+    model, _, _, params = setup
+    ids = np.random.default_rng(0).integers(0, 256, 16 * 9 + 1 + 7)  # 2 batches, a remainder
+    path = tmp_path / "e.bin"
+    ids.astype(np.uint16).tofile(path)
+    windows = np.stack([ids[w * 16 : w * 16 + 17] for w in range(8)])
+    want = np.mean([float(model.loss(params, jnp.array(b[:, :-1]), jnp.array(b[:, 1:])))
+                    for b in (windows[:4], windows[4:])])  # fmt: skip
+    for layout in ([], ["--tp", "2"]):
+        argv = ["eval", "--init-from-hf", hf_dir, "--data", str(path), "--seq-len", "16",
+                "--global-batch", "4", "--devices", "8", "--json", *layout]  # fmt: skip
+        assert main(argv) == 0
+        r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert r["batches"] == 2 and r["tokens"] == 128 and r["init_from_hf"] == hf_dir
+        assert abs(r["loss"] / want - 1) < 1e-5, layout

@@ -73,31 +73,65 @@ def test_sidecar_gives_dtype_vocabulary_and_heldout_partner(tmp_path):
     assert np.array_equal(load_corpus(tp, 256, eval_data=other).heldout, val[:600])
 
 
-def test_bad_token_files_refused_in_one_line(tmp_path, capsys):
-    empty = tmp_path / "empty.bin"
-    empty.write_bytes(b"")
-    _one_line_error(capsys, _train_argv(str(empty)), "train.data=", "empty token file")
-    odd = tmp_path / "odd.bin"
-    odd.write_bytes(b"\x01\x00\x02")
-    _one_line_error(capsys, _train_argv(str(odd)), "3 bytes", "whole number of uint16 tokens")
-    big = _bin(tmp_path / "big.bin", [1, 2, 70000, 3] * 100, "uint32")
-    _one_line_error(
-        capsys,
-        _train_argv(big, "--data-dtype", "uint32"),
-        "model.vocab_size=256",
-        "largest token id 70000 in big.bin",
-    )
-    ids = list(range(200)) * 10
-    wide = _bin(tmp_path / "wide.bin", ids)
-    _sidecar(wide, ids, "uint16", 4096)
-    _one_line_error(capsys, _train_argv(wide), "model.vocab_size=256", "4096", "wide.json")
-    lying = _bin(tmp_path / "lying.bin", ids)
-    _sidecar(lying, ids[:-5], "uint16", 256)
-    _one_line_error(capsys, _train_argv(lying), "tokens=1995", "holds 2000")
-    _one_line_error(
-        capsys, _train_argv(lying, "--eval-data", str(tmp_path / "nope.bin")), "train.eval_data"
-    )
-    _one_line_error(capsys, _train_argv(wide, "--data-dtype", "int8"), "train.data_dtype")
+def _empty(d):
+    (d / "empty.bin").write_bytes(b"")
+    return [str(d / "empty.bin")]
+
+
+def _odd(d):
+    (d / "odd.bin").write_bytes(b"\x01\x00\x02")
+    return [str(d / "odd.bin")]
+
+
+def _out_of_vocab(d):
+    return [_bin(d / "big.bin", [1, 2, 70000, 3] * 100, "uint32"), "--data-dtype", "uint32"]
+
+
+IDS = list(range(200)) * 10
+
+
+def _sidecar_vocab_above_model(d):
+    path = _bin(d / "wide.bin", IDS)
+    _sidecar(path, IDS, "uint16", 4096)
+    return [path]
+
+
+def _sidecar_count_mismatch(d):
+    path = _bin(d / "lying.bin", IDS)
+    _sidecar(path, IDS[:-5], "uint16", 256)
+    return [path]
+
+
+def _sidecar_vocab_above_dtype(d):
+    path = _bin(d / "tiny.bin", IDS, "uint8")
+    _sidecar(path, IDS, "uint8", 300)
+    return [path]
+
+
+def _missing_eval_data(d):
+    return [_bin(d / "ok.bin", IDS), "--eval-data", str(d / "nope.bin")]
+
+
+def _bad_dtype(d):
+    return [_bin(d / "ok.bin", IDS), "--data-dtype", "int8"]
+
+
+@pytest.mark.parametrize(
+    "make, needles",
+    [
+        (_empty, ["train.data=", "empty token file (0 bytes)"]),
+        (_odd, ["3 bytes is not a whole number of uint16 tokens", "another --data-dtype?"]),
+        (_out_of_vocab, ["model.vocab_size=256", "largest token id 70000 in big.bin"]),
+        (_sidecar_vocab_above_model, ["model.vocab_size=256", "vocabulary 4096", "wide.json"]),
+        (_sidecar_count_mismatch, ["lying.json: tokens=1995", "holds 2000 uint16 tokens"]),
+        (_sidecar_vocab_above_dtype, ["tiny.json: vocab_size=300", "dtype=uint8 holds (256)"]),
+        (_missing_eval_data, ["train.eval_data=", "does not exist"]),
+        (_bad_dtype, ["train.data_dtype='int8'", "uint8, uint16, uint32"]),
+    ],
+    ids=lambda x: x.__name__.strip("_") if callable(x) else "",
+)
+def test_bad_token_file_refused_in_one_line(tmp_path, capsys, make, needles):
+    _one_line_error(capsys, _train_argv(*make(tmp_path)), *needles)
 
 
 def test_gpt2_124m_trains_on_a_uint16_file(tmp_path):
