@@ -7,11 +7,12 @@ their first 8 KiB are skipped as binary), or ``stdlib`` (the embedded corpus's f
 out when ``floor((i+1)·f) > floor(i·f)`` for ``f = validation_fraction``: exactly
 ``floor(n·f)`` documents, evenly spread, independent of how the work is split.
 
-The reader cuts the document stream into chunks of about 1 MiB and worker processes (``spawn``:
-safe beside a running JAX) tokenise them; results are written strictly in chunk order with at
-most two chunks per worker in flight, so the output is byte-identical for any worker count and
-memory stays bounded. Every document ends with the end-of-text token. Outputs are written to
-temporary names and renamed when complete; nothing is left behind on an error.
+The reader cuts the document stream into chunks of about 1 MiB and worker processes (forked;
+spawned when JAX runs in the process, whose threads make forking unsafe) tokenise them; results
+are written strictly in chunk order with at most two chunks per worker in flight, so the output
+is byte-identical for any worker count and memory stays bounded. Every document ends with the
+end-of-text token. Outputs are written to temporary names and renamed when complete; nothing is
+left behind on an error.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import itertools
 import json
 import multiprocessing
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,7 @@ import numpy as np
 
 from jaxpar import tokenizer as T
 from jaxpar.data import sidecar_path, stdlib_files, write_sidecar
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, JaxparError
 
 STDLIB = "stdlib"
 CHUNK_BYTES = 1 << 20
@@ -290,30 +294,36 @@ def _check_split(writers: list[_Writer], fraction: float) -> None:
 
 
 def _encoded(chunks, spec: str, eos: str | None, workers: int):
-    """Encoded chunks in order: in this process for one worker, else a ``spawn`` pool with at
-    most two chunks per worker in flight."""
+    """Encoded chunks in order: in this process for one worker, else a process pool with at most
+    two chunks per worker in flight."""
     if workers == 1:
         _init_worker(spec, eos)
         for chunk, nbytes in chunks:
             yield _encode(chunk), nbytes
         return
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec, eos)) as pool:
+    # fork is cheap and needs no importable __main__, but forking a process that runs JAX's
+    # threads is unsafe: spawn then (the `jaxpar data` command never imports JAX).
+    ctx = multiprocessing.get_context("spawn" if "jax" in sys.modules else "fork")
+    with ProcessPoolExecutor(workers, ctx, _init_worker, (spec, eos)) as pool:
         pending: deque = deque()
-        for chunk, nbytes in chunks:
-            pending.append((pool.apply_async(_encode, (chunk,)), nbytes))
-            if len(pending) >= 2 * workers:
-                res, n = pending.popleft()
-                yield res.get(), n
-        while pending:
-            res, n = pending.popleft()
-            yield res.get(), n
+        try:
+            for chunk, nbytes in chunks:
+                pending.append((pool.submit(_encode, chunk), nbytes))
+                if len(pending) >= 2 * workers:
+                    fut, n = pending.popleft()
+                    yield fut.result(), n
+            while pending:
+                fut, n = pending.popleft()
+                yield fut.result(), n
+        except BrokenProcessPool as e:
+            raise JaxparError(f"--workers={workers}: a tokeniser process died ({e})") from None
+        finally:
+            for fut, _ in pending:
+                fut.cancel()
 
 
 def _bar(total: int, enabled: bool):
     """A byte-count progress bar on stderr, when stderr is a terminal."""
-    import sys
-
     if not enabled or not sys.stderr.isatty():
         return None
     from tqdm import tqdm

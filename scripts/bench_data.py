@@ -4,8 +4,9 @@
 
 Prepare: a BPE trained by ``jaxpar data train-tokenizer`` on the embedded corpus (the standard
 library's sources), then ``jaxpar data prepare stdlib`` with 1 worker and with every core,
-interleaved ``--repeats`` times; MB/s of input text, and whether every run's outputs are
-byte-identical (sha256 of the token files and sidecars).
+interleaved ``--repeats`` times; MB/s of input text, CPU seconds of the main and the worker
+processes (on a shared machine the wall clock only shows the CPU share it got), and whether every
+run's outputs are byte-identical (sha256 of the token files and sidecars).
 
 Decode: the default tiny model (random weights: speed does not depend on them) on simulated CPU
 devices, greedy, 16-token prompts, 128 new tokens, batch 1 and 8, one device and tp 2; decode
@@ -19,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -28,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+CHILDREN = resource.RUSAGE_CHILDREN  # the forked tokeniser processes (JAX is not yet imported)
 
 
 def _sha(paths: list[Path]) -> str:
@@ -46,14 +49,20 @@ def bench_prepare(vocab_size: int, repeats: int) -> dict:
     train_s = time.perf_counter() - t0
     cores = os.cpu_count() or 1
     runs: dict[int, list[float]] = {1: [], cores: []}
+    cpu: dict[int, list[dict]] = {1: [], cores: []}
     digests = set()
     summary = None
     for r in range(repeats):
         for workers in runs:
             out = work / f"w{workers}r{r}" / "tokens.bin"
             out.parent.mkdir()
+            me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(CHILDREN)
             summary = prepare(["stdlib"], str(work / "tok"), out, validation_fraction=0.05,
                               workers=workers, progress=False)  # fmt: skip
+            me2, kids2 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(CHILDREN)
+            main_s = me2.ru_utime - me.ru_utime + me2.ru_stime - me.ru_stime
+            kids_s = kids2.ru_utime - kids.ru_utime + kids2.ru_stime - kids.ru_stime
+            cpu[workers].append({"main_cpu_s": main_s, "workers_cpu_s": kids_s})
             runs[workers].append(summary["mb_per_s"])
             files = [out, out.with_suffix(".json"), out.with_name("tokens.val.bin"),
                      out.with_name("tokens.val.json")]  # fmt: skip
@@ -68,6 +77,12 @@ def bench_prepare(vocab_size: int, repeats: int) -> dict:
         "train_tokenizer_s": train_s,
         "mb_per_s": {str(w): statistics.median(v) for w, v in runs.items()},
         "mb_per_s_runs": {str(w): v for w, v in runs.items()},
+        # CPU seconds of the main process (reading, writing) and of the worker processes
+        # (tokenising): what a busy machine does not show in wall-clock throughput.
+        "cpu_s_runs": {str(w): v for w, v in cpu.items()},
+        "mb_per_cpu_s": summary["input_bytes"]
+        / 1e6
+        / statistics.median(c["main_cpu_s"] + c["workers_cpu_s"] for v in cpu.values() for c in v),
         "byte_identical": len(digests) == 1,
         "runs": repeats * len(runs),
     }

@@ -3,6 +3,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -58,13 +60,18 @@ def test_train_tokenizer_is_deterministic_and_lossless(corpus, bpe, tmp_path):
 def test_prepare_is_byte_identical_for_any_worker_count(corpus, bpe, tmp_path, capsys):
     root, texts = corpus
     outs = []
-    for name, workers in (("a", "2"), ("b", "1"), ("c", "2")):
+    for name, workers in (("a", "2"), ("b", "1"), ("c", "2"), ("d", "fork")):
         out = tmp_path / name / "tokens.bin"
         out.parent.mkdir()
         argv = ["data", "prepare", str(root), "--tokenizer", str(bpe), "--out", str(out),
-                "--validation-fraction", "0.1", "--workers", workers, "--json"]  # fmt: skip
-        assert main(argv) == 0
-        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+                "--validation-fraction", "0.1", "--json"]  # fmt: skip
+        if workers == "fork":  # the command line, without JAX in the process: forked workers
+            cmd = [sys.executable, "-m", "jaxpar.cli", *argv, "--workers", "2"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr
+        else:  # here JAX runs (conftest): spawned workers
+            assert main([*argv, "--workers", workers]) == 0
+            summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         outs.append(out)
     files = ("tokens.bin", "tokens.json", "tokens.val.bin", "tokens.val.json")
     for f in files:
