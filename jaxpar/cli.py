@@ -20,7 +20,18 @@ import warnings
 
 from jaxpar.errors import JaxparError, one_line
 
-VERBS = ("train", "schedule", "memory", "comm", "plan", "bench", "launch")
+VERBS = (
+    "train",
+    "schedule",
+    "memory",
+    "comm",
+    "plan",
+    "bench",
+    "launch",
+    "data",
+    "eval",
+    "generate",
+)
 
 
 class Parser(argparse.ArgumentParser):

@@ -32,6 +32,7 @@ OFFLOAD = ("none", "optimizer", "params")
 DTYPES = ("float32", "bfloat16", "float16")
 ON_NONFINITE = ("skip", "stop")
 PLATFORMS = ("cpu", "gpu", "tpu")
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # token files (.bin)
 
 
 @dataclass
@@ -140,7 +141,8 @@ class TrainConfig:
     b2: float = 0.95
     grad_clip: float = 1.0
     data: str = "stdlib"  # "stdlib" (embedded corpus), "synthetic", or a path to a .bin token file
-    data_dtype: str = "uint16"  # token dtype of .bin files
+    data_dtype: str = "uint16"  # token dtype of a .bin file without a sidecar
+    eval_data: str | None = None  # held-out .bin (default: the sidecar's validation file)
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 1
@@ -449,7 +451,7 @@ def _check_train(t: TrainConfig) -> None:
     if t.divergence_factor != 0:
         _number("train.divergence_factor", t.divergence_factor, 1)
     _one_of("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
-    _one_of("train.data_dtype", t.data_dtype, ("uint16", "uint32"))
+    _one_of("train.data_dtype", t.data_dtype, TOKEN_DTYPES)
     for name in ("checkpoint_dir", "metrics_file", "profile_dir", "init_from_hf", "export_hf",
                  "tensorboard_dir"):  # fmt: skip
         _path(f"train.{name}", getattr(t, name))
@@ -527,6 +529,8 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
             "or a path to a .bin file)"
         )
+    if t.eval_data is not None and not Path(t.eval_data).is_file():
+        raise ConfigError(f"train.eval_data={t.eval_data!r}: token file does not exist")
 
 
 def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:

@@ -148,8 +148,9 @@ def schedule_table() -> list[dict]:
     return rows
 
 
-def external_schedules() -> dict | None:
-    path = ROOT / "scripts" / "bench_schedules.py"
+def external(script: str) -> dict | None:
+    """The last JSON line of ``scripts/<script>`` (None when the script does not exist)."""
+    path = ROOT / "scripts" / script
     if not path.exists():
         return None
     res = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=900)
@@ -302,7 +303,31 @@ def write_md(res: dict) -> str:
     if res.get("bench_schedules"):
         L += ["", "`scripts/bench_schedules.py`:", "", "```",
               json.dumps(res["bench_schedules"], indent=1)[:3000], "```"]  # fmt: skip
+    L += data_section(res.get("bench_data"))
     return "\n".join(L) + "\n"
+
+
+def data_section(d: dict | None) -> list[str]:
+    """`scripts/bench_data.py`: data preparation throughput and decode speed."""
+    if not d or "decode" not in d:
+        return [] if not d else ["", "`scripts/bench_data.py` failed: " + str(d)[:300]]
+    L = ["", "## Data preparation and decoding (`scripts/bench_data.py`)", ""]
+    if "prepare" in d:
+        pr = d["prepare"]
+        rates = ", ".join(f"{w} worker(s) {v:.2f} MB/s" for w, v in pr["mb_per_s"].items())
+        L += [f"`jaxpar data prepare stdlib` ({pr['input_mb']:.1f} MB, BPE of {pr['vocab_size']} "
+              f"tokens trained in {pr['train_tokenizer_s']:.1f} s, {pr['bytes_per_token']:.2f} "
+              f"bytes/token): {rates}; {pr['runs']} runs byte-identical: "
+              f"{pr['byte_identical']}.", ""]  # fmt: skip
+    L += ["Decode: tiny model, greedy, 16-token prompts, 128 new tokens, simulated CPU devices.",
+          "",
+          "| tp | batch | tokens/s | prefill ms | compile s | compilations on later calls |",
+          "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in d["decode"]["rows"]:
+        L.append(f"| {r['tp']} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
+                 f"{r['prefill_ms']:.1f} | {r['compile_s']:.1f} | "
+                 f"{r['compiles_after_first_call']} |")  # fmt: skip
+    return L
 
 
 def main() -> None:
@@ -333,7 +358,8 @@ def main() -> None:
         res["memory"].append(measure(lay))
         print(json.dumps(res["memory"][-1], default=str), file=sys.stderr, flush=True)
     res["zero"] = zero_scaling(res["memory"], args.zero_dp)
-    res["bench_schedules"] = external_schedules()
+    res["bench_schedules"] = external("bench_schedules.py")
+    res["bench_data"] = external("bench_data.py")
     if args.raw:
         Path(args.raw).write_text(json.dumps(res, default=str))
     plots(res["memory"], res["zero"])

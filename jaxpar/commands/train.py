@@ -18,6 +18,12 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "seq_len": ("train.seq_len", K.positive_int, "tokens per sequence"),
     "lr": ("train.lr", K.positive_float, "peak learning rate"),
     "data": ("train.data", str, "'stdlib' (embedded corpus), 'synthetic', or a .bin token file"),
+    "eval_data": (
+        "train.eval_data",
+        str,
+        "held-out .bin token file (default: the sidecar's validation file, else the last 5%%)",
+    ),
+    "data_dtype": ("train.data_dtype", str, "uint8 | uint16 | uint32: a .bin without sidecar"),
     "checkpoint_dir": ("train.checkpoint_dir", str, "where orbax checkpoints go (one run at a "
                        "time: locked by jaxpar.lock)"),
     "checkpoint_every": ("train.checkpoint_every", K.positive_int, "steps between checkpoints"),

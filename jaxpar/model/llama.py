@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.layers import Block, RMSNorm
+from jaxpar.model.layers import Attend, Block, RMSNorm
 from jaxpar.model.names import weight
 from jaxpar.sharding import constrain
 
@@ -166,9 +166,16 @@ class Model:
         """Token embeddings ``[B, S, D]`` in ``dtype``."""
         return self._bind("embed", params["embed"])(tokens_BxS, dtype)
 
-    def block(self, layer_params: Params, x_BxSxD: jax.Array, positions_S: jax.Array):
-        """One decoder block on one layer's parameters (no leading layer axis)."""
-        return self._bind("block", layer_params)(x_BxSxD, positions_S)
+    def block(
+        self,
+        layer_params: Params,
+        x_BxSxD: jax.Array,
+        positions_S: jax.Array,
+        attend: Attend | None = None,
+    ):
+        """One decoder block on one layer's parameters (no leading layer axis); ``attend``
+        replaces the attention core (:data:`jaxpar.model.layers.Attend`)."""
+        return self._bind("block", layer_params)(x_BxSxD, positions_S, attend)
 
     def blocks(
         self,

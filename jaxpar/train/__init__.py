@@ -10,16 +10,9 @@ from typing import Any
 
 
 def load_data(cfg: Any):
-    """The run's corpus (:func:`jaxpar.data.load_corpus`), refused in one line when its
-    vocabulary does not fit the model's."""
+    """The run's corpus (:func:`jaxpar.data.load_corpus`: token files checked against the
+    model's vocabulary in one line)."""
     from jaxpar.data import load_corpus
-    from jaxpar.errors import ConfigError
 
     t = cfg.train
-    corpus = load_corpus(t.data, cfg.model.vocab_size, t.data_dtype)
-    if corpus.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size}: smaller than the data's vocabulary "
-            f"({corpus.vocab_size})"
-        )
-    return corpus
+    return load_corpus(t.data, cfg.model.vocab_size, t.data_dtype, t.eval_data)

@@ -243,7 +243,9 @@ def _train(
             # written (they keep the data position).
             force = done == t.steps or stop_now
             if ckpt is not None and (force or not why):
-                if ckpt.save(done, state, _meta(cfg, done, div), force=force):
+                if ckpt.save(
+                    done, state, _meta(cfg, done, div, batches.corpus.tokenizer), force=force
+                ):
                     saved_at = done
             if stop_now:
                 break
@@ -297,7 +299,9 @@ def _train(
     }
 
 
-def _meta(cfg: C.RunConfig, step: int, div: Divergence) -> dict[str, Any]:
+def _meta(
+    cfg: C.RunConfig, step: int, div: Divergence, tokenizer: dict | None = None
+) -> dict[str, Any]:
     t = cfg.train
     return {
         "step": step,
@@ -310,6 +314,8 @@ def _meta(cfg: C.RunConfig, step: int, div: Divergence) -> dict[str, Any]:
         "layout": dataclasses.asdict(cfg.layout),
         "seed": t.seed,
         "data": {"source": t.data, "global_batch": t.global_batch, "seq_len": t.seq_len},
+        # What `jaxpar generate` decodes this model's tokens with.
+        "tokenizer": tokenizer,
     }
 
 
