@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -74,9 +75,14 @@ class HardwareConfig:
     device_memory_bytes: float = 16e9
     peak_flops_bf16: float = 1e12
     intra_node_bw: float = 50e9  # bytes/s per device, one direction (NVLink)
-    inter_node_bw: float = 12.5e9  # bytes/s per device, one direction (InfiniBand)
     devices_per_node: int = 8
+    nics_per_node: int = 8  # network adapters a node's devices share for inter-node traffic
+    nic_bw: float = 12.5e9  # bytes/s per adapter, one direction (InfiniBand/RoCE)
+    hbm_bw: float = 1.0e11  # device memory bandwidth, bytes/s (memory-bound work)
     host_to_device_bw: float = 25e9  # bytes/s (PCIe) for offload
+    # Sustained share of peak_flops_bf16 of a matmul whose smallest dimension is `size`:
+    # [[size, share], ...] ascending (jaxpar bench --calibrate measures it).
+    matmul_efficiency: list[list[float]] = field(default_factory=list)
     xla_flags: list[str] = field(default_factory=list)  # applied before JAX initialises
 
 
@@ -341,6 +347,52 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     if m.hd % 2:
         raise ConfigError(f"model.head_dim={m.hd}: must be even for rotary embeddings")
 
+    check_layout(m, lay, t.global_batch, t.seq_len, n_devices)
+
+    for name in (
+        "steps",
+        "global_batch",
+        "seq_len",
+        "eval_batches",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+    ):
+        _positive(f"train.{name}", getattr(t, name))
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps}: must be >= 0")
+    if t.inject_nonfinite_step < 0:
+        raise ConfigError(
+            f"train.inject_nonfinite_step={t.inject_nonfinite_step}: must be >= 0 (0 disables)"
+        )
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every={t.eval_every}: must be >= 0 (0 disables)")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
+        )
+    _one_of("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
+    _one_of("train.data_dtype", t.data_dtype, ("uint16", "uint32"))
+    if t.data not in ("stdlib", "synthetic") and not Path(t.data).exists():
+        raise ConfigError(
+            f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
+            "or a path to a .bin file)"
+        )
+
+
+
+def check_layout(
+    m: ModelConfig,
+    lay: LayoutConfig,
+    global_batch: int,
+    seq_len: int,
+    n_devices: int | None = None,
+) -> None:
+    """The layout rules of :func:`validate` (raises :class:`ConfigError`): axis sizes, ZeRO,
+    heads and layers against tp/sp/pp, the schedule, and the batch and sequence against the
+    data and sequence shards. The planner draws its candidates through this same predicate."""
+    _positive("train.global_batch", global_batch)
+    _positive("train.seq_len", seq_len)
     for a in AXES:
         _positive(f"layout.{a}", getattr(lay, a))
     if n_devices is not None and lay.n_devices != n_devices:
@@ -381,51 +433,21 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     if lay.pp > 1:
         _check_pipeline(lay)
 
-    for name in (
-        "steps",
-        "global_batch",
-        "seq_len",
-        "eval_batches",
-        "log_every",
-        "checkpoint_every",
-        "keep_checkpoints",
-    ):
-        _positive(f"train.{name}", getattr(t, name))
-    if t.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps={t.warmup_steps}: must be >= 0")
-    if t.inject_nonfinite_step < 0:
+    if global_batch % lay.dp:
         raise ConfigError(
-            f"train.inject_nonfinite_step={t.inject_nonfinite_step}: must be >= 0 (0 disables)"
+            f"train.global_batch={global_batch}: must be divisible by layout.dp={lay.dp}"
         )
-    if t.eval_every < 0:
-        raise ConfigError(f"train.eval_every={t.eval_every}: must be >= 0 (0 disables)")
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(
-            f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
-        )
-    if t.global_batch % lay.dp:
-        raise ConfigError(
-            f"train.global_batch={t.global_batch}: must be divisible by layout.dp={lay.dp}"
-        )
-    per_dp = t.global_batch // lay.dp
+    per_dp = global_batch // lay.dp
     if per_dp % lay.microbatches:
         raise ConfigError(
             f"layout.microbatches={lay.microbatches}: must divide the per-dp-rank batch "
             f"global_batch/dp={per_dp}"
         )
-    if t.seq_len % (lay.sp * lay.tp if lay.sequence_parallel else lay.sp):
+    if seq_len % (lay.sp * lay.tp if lay.sequence_parallel else lay.sp):
         div = lay.sp * lay.tp if lay.sequence_parallel else lay.sp
         raise ConfigError(
-            f"train.seq_len={t.seq_len}: must be divisible by the sequence shards ({div})"
+            f"train.seq_len={seq_len}: must be divisible by the sequence shards ({div})"
         )
-    _one_of("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
-    _one_of("train.data_dtype", t.data_dtype, ("uint16", "uint32"))
-    if t.data not in ("stdlib", "synthetic") and not Path(t.data).exists():
-        raise ConfigError(
-            f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
-            "or a path to a .bin file)"
-        )
-
 
 def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
     """Heads as tensor and sequence parallelism split them (Megatron TP, Ulysses, GQA)."""
@@ -441,14 +463,24 @@ def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
     # jaxpar.model.attention.kv_repeat picks the smallest repeat that does.
 
 
-def _check_pipeline(lay: LayoutConfig) -> None:
-    """Schedule arguments via the schedule library's own rules (``make_schedule``)."""
+@functools.lru_cache(maxsize=4096)
+def _schedule_refusal(kind: str, p: int, m: int, v: int) -> str | None:
+    """Why the schedule library refuses (kind, p, m, v), else None (memoised: the planner asks
+    for the same few hundred schedules while it searches)."""
     from jaxpar.pipeline.schedules import make_schedule
 
     try:
-        make_schedule(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+        make_schedule(kind, p, m, v)
     except ConfigError as e:
-        raise ConfigError(f"layout.{e} (pp={lay.pp})") from None
+        return str(e)
+    return None
+
+
+def _check_pipeline(lay: LayoutConfig) -> None:
+    """Schedule arguments via the schedule library's own rules (``make_schedule``)."""
+    err = _schedule_refusal(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+    if err:
+        raise ConfigError(f"layout.{err} (pp={lay.pp})")
     # Combinations the pipeline executor has not been verified with are refused, not ignored.
     if lay.remat == "offload":
         raise ConfigError(
