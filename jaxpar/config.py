@@ -380,7 +380,6 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         )
 
 
-
 def check_layout(
     m: ModelConfig,
     lay: LayoutConfig,
@@ -448,6 +447,7 @@ def check_layout(
         raise ConfigError(
             f"train.seq_len={seq_len}: must be divisible by the sequence shards ({div})"
         )
+
 
 def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
     """Heads as tensor and sequence parallelism split them (Megatron TP, Ulysses, GQA)."""

@@ -102,5 +102,5 @@ def block_residuals(
     else:
         attn_c, attn_f, attn_b = kernel_c, kernel_f, 0.0
     c = 2 * stream + attn_c + q + 6 * f
-    fused = model.d_model * (model.n_heads * hd / t + 2 * kv) + (2 * model.d_model * f if swiglu else 0)
+    fused = model.d_model * (q + 2 * kv + (2 * f if swiglu else 0))  # fused QKV and gate/up
     return Residuals(c, norms_f + attn_f, attn_b, fused)

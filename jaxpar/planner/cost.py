@@ -28,12 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.planner import traffic as TR
 from jaxpar.planner.activations import block_residuals, kv_heads_local
 from jaxpar.planner.executor import JAXPAR, Executor
 from jaxpar.planner.hardware import crosses_nodes, link_bw, matmul_efficiency
-from jaxpar.planner.memory import DTYPE_BYTES, Shape
+from jaxpar.planner.memory import Shape
 from jaxpar.planner.pipe import ActionCosts, PipeFigures, figures
 
 ELEMENTWISE_PASSES = 2.0  # HBM passes over a layer's activations per forward (fitted)
@@ -99,9 +100,10 @@ def layer_time(
         scores = tokens * s * model.n_heads / t * ex.score_bytes * visible
         attn = attn_flops / (hw.peak_flops_bf16 * matmul_efficiency(hw, hd)) + scores / hw.hbm_bw
     res = block_residuals(model, lay, s, "blockwise", "none")
-    act_bytes = res.bytes(tokens, DTYPE_BYTES[lay.compute_dtype]) - res.weights * DTYPE_BYTES[
-        lay.compute_dtype
-    ]
+    act_bytes = (
+        res.bytes(tokens, DTYPE_BYTES[lay.compute_dtype])
+        - res.weights * DTYPE_BYTES[lay.compute_dtype]
+    )
     elementwise = elementwise_passes * act_bytes / hw.hbm_bw
     tp = TR.tp_traffic(model, lay, shape)
     sp = TR.sp_traffic(model, lay, shape)

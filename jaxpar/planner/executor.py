@@ -34,8 +34,13 @@ class Executor:
       the stage forward (zero-bubble schedules). ``recompute_in_i``: under full recompute the
       input-gradient half also re-runs the forward.
     * ``overlap_tp``: share of the tensor- and sequence-parallel collective time hidden behind
-      matmuls (collective matmuls, userbuffers, context-parallel p2p overlapped with attention); ``overlap_dp``: share of the backward (forward too
+      matmuls (collective matmuls, userbuffers, context-parallel p2p overlapped with
+      attention); ``overlap_dp``: share of the backward (forward too
       for ZeRO-3's gathers) that can hide the data-parallel traffic.
+    * ``carry_copies``: extra copies of the pipeline scan's carry (stashes, accumulators) the
+      compiled tick holds — XLA's CPU compile copies most of the carry in every switch branch
+      (jax-ml/jax#38145); calibrated on one pipeline layout (BENCHMARKS.md). A tick whose
+      branches touch only their own slots makes it 0.
     * ``one_gradient_path``: every layout reduces gradients through the explicit ZeRO path
       (on this branch only layouts where dp is the only split do; ZeRO-3's remat differs).
     """
@@ -52,6 +57,7 @@ class Executor:
     overlap_tp: float = 0.0
     overlap_dp: float = 0.8
     one_gradient_path: bool = False
+    carry_copies: float = 0.77
 
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""

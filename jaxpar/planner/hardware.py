@@ -29,8 +29,8 @@ from jaxpar.errors import ConfigError
 
 CURVE_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # The GPU mesh files' curves: share_max · g / (g + kappa · peak / hbm_bw); share_max fitted on
-# three published runs, kappa = 1 set (jaxpar.planner.published.fit; BENCHMARKS.md). tests/test_planner.py checks
-# that every GPU mesh file carries the curve these give.
+# three published runs, kappa = 1 set (jaxpar.planner.published.fit; BENCHMARKS.md).
+# tests/test_planner.py checks that every GPU mesh file carries the curve these give.
 ROOFLINE_SHARE_MAX = 0.65
 ROOFLINE_KAPPA = 1.0
 GPU_MESHES = ("a100-8", "a100-64", "a100-40gb-8", "h100-8", "h100-1024", "h200-8")
@@ -48,9 +48,10 @@ def matmul_efficiency(hw: HardwareConfig, size: float) -> float:
     xs = [math.log2(p[0]) for p in pts]
     if x <= xs[0]:
         return float(pts[0][1])
-    for (x0, (_, y0)), (x1, (_, y1)) in zip(zip(xs, pts), zip(xs[1:], pts[1:]), strict=False):
-        if x <= x1:
-            return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    for i in range(1, len(pts)):
+        if x <= xs[i]:
+            y0, y1 = pts[i - 1][1], pts[i][1]
+            return float(y0 + (y1 - y0) * (x - xs[i - 1]) / (xs[i] - xs[i - 1]))
     return float(pts[-1][1])
 
 

@@ -31,18 +31,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import LayoutConfig, ModelConfig
 from jaxpar.planner.activations import block_residuals
 from jaxpar.planner.executor import JAXPAR, Executor
 from jaxpar.planner.pipe import PipeFigures, figures
 from jaxpar.planner.shapes import param_counts
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPT_SCALAR_BYTES = 8  # optax Adam's step count and the schedule's count (int32 each)
 XLA_UPDATE = 0.14  # optimizer temporaries, share of the optimizer shard (calibrated)
 XLA_HEAD = 2.4  # fp32 logits-sized buffers alive at the loss (calibrated)
 XLA_RECOMPUTE = 0.74  # share of one un-rematerialised layer alive while recomputing (calibrated)
-XLA_CARRY = 0.77  # extra copies of the pipeline's scan carry (calibrated: pp 2, 1F1B)
 XLA_BACKWARD = 0.3  # share of one layer's residuals alive as backward transients (calibrated)
 
 
@@ -74,10 +73,8 @@ def pipe_figures(lay: LayoutConfig, executor: Executor = JAXPAR) -> PipeFigures:
     """The schedule library's figures for ``lay`` (see :mod:`jaxpar.planner.pipe`)."""
     from jaxpar.planner.cost import action_costs
 
-    return figures(
-        lay.schedule, lay.pp, lay.microbatches, lay.virtual, action_costs(lay, executor),
-        executor.lockstep,
-    )  # fmt: skip
+    costs = action_costs(lay, executor)
+    return figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, executor.lockstep)
 
 
 def memory(
@@ -102,17 +99,18 @@ def memory(
     tokens = b * shape.seq / lay.sp  # local tokens of one micro-batch
     layers = model.n_layers // lay.pp
     chunk = model.n_layers // (lay.pp * lay.virtual)
-    layer_params = pc.local_of("layers") / layers
 
     remat = effective_remat(lay, executor)
     res = block_residuals(model, lay, shape.seq, executor.attention, remat)
     per_layer = res.bytes(tokens, wc)
     acts = per_layer * chunk * max(pipe.peak_stashes) if lay.pp > 1 else per_layer * layers
-    if remat == "offload":
-        host += block_residuals(model, lay, shape.seq, executor.attention, "selective").bytes(
-            tokens, wc
-        ) * layers * pipe.peak_stashes[0]
-    full_layer = block_residuals(model, lay, shape.seq, executor.attention, "none").bytes(tokens, wc)
+
+    def layer_bytes(policy: str) -> float:
+        return block_residuals(model, lay, shape.seq, executor.attention, policy).bytes(tokens, wc)
+
+    if remat == "offload":  # the matmul outputs of every layer park on the host
+        host += layer_bytes("selective") * layers * pipe.peak_stashes[0]
+    full_layer = layer_bytes("none")
     if remat in ("selective", "full"):
         acts += XLA_RECOMPUTE * full_layer
     else:
@@ -139,9 +137,8 @@ def memory(
         pipeline += msg * (n_act + n_grad + n_stash)  # receive slots and the cotangent slots
         pipeline += 2 * msg * lay.microbatches  # embedded micro-batches and their cotangents
         pipeline += wp * (pc.local - pc.local_of("layers"))  # head/embedding grads accumulator
-        # The scan carries the stashes and the gradient accumulators; XLA's CPU compile copies
-        # most of the carry in every switch branch (jax-ml/jax#38145).
-        pipeline += XLA_CARRY * (acts + pipeline + grads)
+        # The scan carries the stashes and the gradient accumulators (Executor.carry_copies).
+        pipeline += executor.carry_copies * (acts + pipeline + grads)
     out = {
         "batch": 4 * (shape.global_batch // lay.dp) * (shape.seq + 1),  # int32 tokens shard
         "params": params,

@@ -126,6 +126,4 @@ def _counts(key: tuple, tp: int, pp: int, dp: int, dp_shard: int, zero: int):
 def param_counts(model: ModelConfig, layout: LayoutConfig) -> ParamCounts:
     """Per-tensor element counts on one device under ``layout`` (memoised: the search asks
     for the same few thousand combinations many times)."""
-    return _counts(
-        shape_key(model), layout.tp, layout.pp, layout.dp, layout.dp_shard, layout.zero
-    )
+    return _counts(shape_key(model), layout.tp, layout.pp, layout.dp, layout.dp_shard, layout.zero)

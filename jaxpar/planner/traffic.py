@@ -29,15 +29,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxpar.analysis import theory as T
+from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import LayoutConfig, ModelConfig
 from jaxpar.planner.activations import kv_heads_local
-from jaxpar.planner.memory import DTYPE_BYTES, Shape
+from jaxpar.planner.memory import Shape
 from jaxpar.planner.shapes import param_counts
 
-
-def ring(n: int) -> float:
-    """(n−1)/n: the share of a buffer each device sends in a ring collective."""
-    return (n - 1) / n if n > 1 else 0.0
+ring = T.ring_factor
 
 
 def dp_traffic(model: ModelConfig, lay: LayoutConfig) -> dict[str, Any]:
@@ -79,8 +78,11 @@ def tp_traffic(model: ModelConfig, lay: LayoutConfig, shape: Shape) -> dict[str,
     micro-batch, ``total`` for the device's layers and micro-batches."""
     if lay.tp == 1:
         return {"forward": 0.0, "backward": 0.0, "total": 0.0}
-    one = 2 * _tokens(lay, shape) * model.d_model * ring(lay.tp) * DTYPE_BYTES[lay.compute_dtype]
-    fwd, bwd = 2 * one, 2 * one
+    b = shape.microbatch_size(lay) or 1
+    per = T.tp_comm_elements_per_layer(b, shape.seq // lay.sp, model.d_model, lay.tp,
+                                       lay.sequence_parallel)  # fmt: skip
+    fwd = bwd = per["elements"] / 2 * DTYPE_BYTES[lay.compute_dtype]
+    one = fwd / 2  # one all-reduce (or gather + scatter) of the [b, s, d] activation
     if lay.remat == "full":
         bwd += fwd
     layers = model.n_layers // lay.pp
@@ -92,15 +94,15 @@ def sp_traffic(model: ModelConfig, lay: LayoutConfig, shape: Shape) -> dict[str,
     """Sequence-parallel (Ulysses or ring) wire bytes, as :func:`tp_traffic`."""
     if lay.sp == 1:
         return {"forward": 0.0, "backward": 0.0, "total": 0.0}
-    tokens, w = _tokens(lay, shape), DTYPE_BYTES[lay.compute_dtype]
-    q = model.n_heads * model.hd / lay.tp
-    kv = kv_heads_local(model, lay) * model.hd
+    w, b = DTYPE_BYTES[lay.compute_dtype], shape.microbatch_size(lay) or 1
+    q = model.n_heads * model.hd // lay.tp
+    kv = int(kv_heads_local(model, lay) * model.hd)
     if lay.sp_mode == "ulysses":
-        fwd = (2 * q + 2 * kv) * tokens * ring(lay.sp) * w
-        bwd = fwd
+        el = T.ulysses_comm_elements_per_layer(b * shape.seq, q, lay.sp, kv)
+        fwd = bwd = el["wire"] / 2 * w
     else:
-        fwd = 2 * kv * tokens * (lay.sp - 1) * w
-        bwd = fwd
+        el = T.ring_attention_comm_elements_per_layer(b * shape.seq, kv, lay.sp, False)
+        fwd, bwd = el["forward"] * w, el["backward"] * w
     if lay.remat == "full":
         bwd += fwd
     total = (model.n_layers // lay.pp) * (fwd + bwd) * lay.microbatches
@@ -110,8 +112,9 @@ def sp_traffic(model: ModelConfig, lay: LayoutConfig, shape: Shape) -> dict[str,
 def pp_message_bytes(model: ModelConfig, lay: LayoutConfig, shape: Shape) -> float:
     """Bytes of one activation (or cotangent) message between stages: ``[b, s, d]``, split over
     sp, and over tp too under Megatron-SP (the residual stream is sequence-sharded there)."""
-    split = lay.tp if lay.sequence_parallel else 1
-    return _tokens(lay, shape) * model.d_model / split * DTYPE_BYTES[lay.compute_dtype]
+    b = shape.microbatch_size(lay) or 1
+    el = T.pp_p2p_elements(b, shape.seq // lay.sp, model.d_model, lay.tp, lay.sequence_parallel)
+    return el * DTYPE_BYTES[lay.compute_dtype]
 
 
 def host_traffic(
