@@ -176,8 +176,9 @@ def memory_section(mem: dict) -> list[str]:
          "`python scripts/bench_planner_memory.py`: the test model (4 layers, d 64, 4/2 heads, "
          "batch 16 × 32, fp32); measured = XLA's compiled per-device total (arguments + outputs "
          "− aliased + temporaries); predicted = `jaxpar.planner.memory.memory`. The XLA "
-         "constants were fitted on one-device compiles (`--calibrate`), none of these rows; "
-         "the row marked *calibration* set `Executor.carry_copies`.", "",
+         "constants were fitted on one-device compiles (`--calibrate`; its base compile is the "
+         "dp=1 row), the pp 2 × 1F1B row set `Executor.carry_copies`: these two rows are marked "
+         "*calibration* and not counted.", "",
          f"**{mem['within_10pct']} of {mem['validated']} validated layouts within 10%; largest "
          f"|error| {mem['max_abs_error']:.1%}.**", "",
          "| layout | measured | predicted | error | |", "|---|---|---|---|---|"]  # fmt: skip
