@@ -156,15 +156,10 @@ def test_gpu_mesh_files_carry_the_fitted_curve():
 # ---- memory against the compiled program ----------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        dict(pp=2, dp=4, microbatches=4, schedule="interleaved", virtual=2),
-        dict(dp=2, tp=2, sp=2, sp_mode="ring", sequence_parallel=True),
-    ],  # fmt: skip
-)
-def test_predicted_memory_within_10_percent_of_compiled(make_cfg, layout):
-    cfg = make_cfg(**layout)
+def test_predicted_memory_within_10_percent_of_compiled(make_cfg):
+    """An interleaved pipeline (the plans below rarely pick one at this scale; the full grid is
+    scripts/bench_planner_memory.py)."""
+    cfg = make_cfg(pp=2, dp=4, microbatches=4, schedule="interleaved", virtual=2)
     assert abs(_predicted(cfg) / _compiled_total(cfg) - 1) < 0.10
 
 
@@ -188,9 +183,9 @@ def test_recommendations_validate_and_compile(make_cfg):
     cfg = make_cfg()
     cfg.mesh = C.load_mesh("cpu-8")
     cfg.model, cfg.train.global_batch, cfg.train.seq_len = TEST_MODEL, 16, 32
-    out = plan(cfg, top=2)
+    out = plan(cfg, top=1)
     printed = [out, *out["alternatives"]]
-    assert out["fits"] and len(printed) == 3
+    assert out["fits"] and len(printed) == 2
     for s in printed:
         lay = s["layout"]
         run = make_cfg(
