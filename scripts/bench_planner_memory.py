@@ -116,6 +116,15 @@ def row(i: int) -> dict:
             "compile_s": time.perf_counter() - t0}  # fmt: skip
 
 
+def repredict(old: dict) -> dict:
+    """A saved row with the prediction made again (the measurement kept)."""
+    cfg = small_config(**LAYOUTS[old["index"]])
+    pred = predicted(cfg)
+    return dict(old, predicted_bytes=pred["total"], predicted=pred,
+                rel_error=pred["total"] / old["measured_bytes"] - 1,
+                calibrated=CALIBRATED_ON.get(old["index"]))  # fmt: skip
+
+
 def calibrate() -> dict:
     """Least squares of the XLA constants on one-device compiles (module docstring)."""
     import numpy as np
@@ -140,22 +149,42 @@ def calibrate() -> dict:
     finally:
         for k, v in saved.items():
             setattr(M, k, v)
-    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(y, float), rcond=None)
+    # Non-negative least squares by active set: a constant that would come out negative
+    # (collinear with another on this set) is held at zero and the rest refitted.
+    a, b = np.array(rows), np.array(y, float)
+    free = list(range(len(CONSTANTS)))
+    coef = np.zeros(len(CONSTANTS))
+    while free:
+        sol, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
+        if (sol >= 0).all():
+            coef[free] = sol
+            break
+        free.pop(int(np.argmin(sol)))
+    fitted = a @ coef
     return {"constants": dict(zip(CONSTANTS, map(float, coef), strict=True)),
-            "current": saved, "compiles": len(variants)}  # fmt: skip
+            "current": saved, "compiles": len(variants),
+            "temp_errors": [float(f / t - 1) for f, t in zip(fitted, b, strict=True)],
+            "basis": rows, "measured_minus_fixed": y}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--only", type=int, nargs="+", default=None, help="indices into LAYOUTS")
     ap.add_argument("--calibrate", action="store_true", help="refit the XLA_* constants")
+    ap.add_argument("--from", dest="saved", default=None,
+                    help="reuse the measured bytes of an earlier run; predict again")  # fmt: skip
     args = ap.parse_args()
     if args.calibrate:
         print(json.dumps(calibrate()))
         return
     rows = []
+    saved = (
+        {r["index"]: r for r in json.loads(Path(args.saved).read_text())["rows"]}
+        if args.saved
+        else {}
+    )
     for i in args.only if args.only is not None else range(len(LAYOUTS)):
-        rows.append(row(i))
+        rows.append(repredict(saved[i]) if i in saved else row(i))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "predicted"}),
               file=sys.stderr, flush=True)  # fmt: skip
     checked = [r for r in rows if not r["calibrated"]]

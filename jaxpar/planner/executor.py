@@ -57,7 +57,7 @@ class Executor:
     overlap_tp: float = 0.0
     overlap_dp: float = 0.8
     one_gradient_path: bool = False
-    carry_copies: float = 0.77
+    carry_copies: float = 0.89
 
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""

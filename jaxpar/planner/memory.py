@@ -39,10 +39,10 @@ from jaxpar.planner.pipe import PipeFigures, figures
 from jaxpar.planner.shapes import param_counts
 
 OPT_SCALAR_BYTES = 8  # optax Adam's step count and the schedule's count (int32 each)
-XLA_UPDATE = 0.14  # optimizer temporaries, share of the optimizer shard (calibrated)
-XLA_HEAD = 2.4  # fp32 logits-sized buffers alive at the loss (calibrated)
-XLA_RECOMPUTE = 0.74  # share of one un-rematerialised layer alive while recomputing (calibrated)
-XLA_BACKWARD = 0.3  # share of one layer's residuals alive as backward transients (calibrated)
+XLA_UPDATE = 0.0  # optimizer temporaries, share of the optimizer shard (calibrated)
+XLA_HEAD = 2.46  # fp32 logits-sized buffers alive at the loss (calibrated)
+XLA_RECOMPUTE = 0.69  # share of one un-rematerialised layer alive while recomputing (calibrated)
+XLA_BACKWARD = 0.06  # share of one layer's residuals alive as backward transients (calibrated)
 
 
 @dataclass(frozen=True)
