@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -77,9 +78,14 @@ class HardwareConfig:
     device_memory_bytes: float = 16e9
     peak_flops_bf16: float = 1e12
     intra_node_bw: float = 50e9  # bytes/s per device, one direction (NVLink)
-    inter_node_bw: float = 12.5e9  # bytes/s per device, one direction (InfiniBand)
     devices_per_node: int = 8
+    nics_per_node: int = 8  # network adapters a node's devices share for inter-node traffic
+    nic_bw: float = 12.5e9  # bytes/s per adapter, one direction (InfiniBand/RoCE)
+    hbm_bw: float = 1.0e11  # device memory bandwidth, bytes/s (memory-bound work)
     host_to_device_bw: float = 25e9  # bytes/s (PCIe) for offload
+    # Sustained share of peak_flops_bf16 of a matmul whose smallest dimension is `size`:
+    # [[size, share], ...] ascending (jaxpar bench --calibrate measures it).
+    matmul_efficiency: list[list[float]] = field(default_factory=list)
     xla_flags: list[str] = field(default_factory=list)  # applied before JAX initialises
 
 
@@ -422,10 +428,11 @@ def _check_hardware(mesh: MeshConfig) -> None:
     _positive("mesh.devices", mesh.devices)
     hw = mesh.hardware
     _one_of("hardware.platform", hw.platform, PLATFORMS)
-    for name in ("device_memory_bytes", "peak_flops_bf16", "intra_node_bw", "inter_node_bw",
+    for name in ("device_memory_bytes", "peak_flops_bf16", "intra_node_bw", "nic_bw", "hbm_bw",
                  "host_to_device_bw"):  # fmt: skip
         _number(f"hardware.{name}", getattr(hw, name), 0)
     _positive("hardware.devices_per_node", hw.devices_per_node)
+    _positive("hardware.nics_per_node", hw.nics_per_node)
     for flag in hw.xla_flags:
         # XLA aborts the process on a malformed or unknown flag; refuse what cannot be one
         if not re.fullmatch(r"--[A-Za-z0-9_]+(=\S*)?", flag):
@@ -470,6 +477,32 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     """
     check_values(cfg)
     m, lay, t = cfg.model, cfg.layout, cfg.train
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
+        )
+    check_layout(m, lay, t.global_batch, t.seq_len, n_devices)
+    if t.data not in ("stdlib", "synthetic") and not Path(t.data).exists():
+        raise ConfigError(
+            f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
+            "or a path to a .bin file)"
+        )
+    if t.eval_data is not None and not Path(t.eval_data).is_file():
+        raise ConfigError(f"train.eval_data={t.eval_data!r}: token file does not exist")
+
+
+def check_layout(
+    m: ModelConfig,
+    lay: LayoutConfig,
+    global_batch: int,
+    seq_len: int,
+    n_devices: int | None = None,
+) -> None:
+    """The layout rules of :func:`validate` (raises :class:`ConfigError`): axis sizes, ZeRO,
+    heads and layers against tp/sp/pp, the batch and sequence against the data and sequence
+    shards, and the schedule. The planner draws its candidates through this same predicate."""
+    _positive("train.global_batch", global_batch)
+    _positive("train.seq_len", seq_len)
     for a in AXES:
         _positive(f"layout.{a}", getattr(lay, a))
     if n_devices is not None and lay.n_devices != n_devices:
@@ -502,35 +535,23 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             f"model.n_layers={m.n_layers}: must be divisible by pp*virtual="
             f"{lay.pp}*{lay.virtual}={lay.pp * lay.virtual}"
         )
-
-    if t.seq_len > m.max_seq_len:
+    if global_batch % lay.dp:
         raise ConfigError(
-            f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
+            f"train.global_batch={global_batch}: must be divisible by layout.dp={lay.dp}"
         )
-    if t.global_batch % lay.dp:
-        raise ConfigError(
-            f"train.global_batch={t.global_batch}: must be divisible by layout.dp={lay.dp}"
-        )
-    per_dp = t.global_batch // lay.dp
+    per_dp = global_batch // lay.dp
     if per_dp % lay.microbatches:
         raise ConfigError(
             f"layout.microbatches={lay.microbatches}: must divide the per-dp-rank batch "
             f"global_batch/dp={per_dp}"
         )
-    if t.seq_len % (lay.sp * lay.tp if lay.sequence_parallel else lay.sp):
+    if seq_len % (lay.sp * lay.tp if lay.sequence_parallel else lay.sp):
         div = lay.sp * lay.tp if lay.sequence_parallel else lay.sp
         raise ConfigError(
-            f"train.seq_len={t.seq_len}: must be divisible by the sequence shards ({div})"
+            f"train.seq_len={seq_len}: must be divisible by the sequence shards ({div})"
         )
     if lay.pp > 1:  # after the batch rules: micro-batches are bounded by the batch now
         _check_pipeline(lay)
-    if t.data not in ("stdlib", "synthetic") and not Path(t.data).exists():
-        raise ConfigError(
-            f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
-            "or a path to a .bin file)"
-        )
-    if t.eval_data is not None and not Path(t.eval_data).is_file():
-        raise ConfigError(f"train.eval_data={t.eval_data!r}: token file does not exist")
 
 
 def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
@@ -547,20 +568,24 @@ def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
     # jaxpar.model.attention.kv_repeat picks the smallest repeat that does.
 
 
-def _check_pipeline(lay: LayoutConfig) -> None:
-    """Schedule arguments via the schedule library's own rules (``make_schedule``)."""
+@functools.lru_cache(maxsize=4096)
+def _schedule_refusal(kind: str, p: int, m: int, v: int) -> str | None:
+    """Why the schedule library refuses (kind, p, m, v), else None (memoised: the planner asks
+    for the same few hundred schedules while it searches)."""
     from jaxpar.pipeline.schedules import make_schedule
 
-    size = lay.pp * lay.microbatches * lay.virtual
-    if size > MAX_SCHEDULE_ACTIONS:
-        raise ConfigError(
-            f"layout.microbatches={lay.microbatches}: pp*microbatches*virtual={size} must be at "
-            f"most {MAX_SCHEDULE_ACTIONS} (the pipeline runs one table of that many actions)"
-        )
     try:
-        make_schedule(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+        make_schedule(kind, p, m, v)
     except ConfigError as e:
-        raise ConfigError(f"layout.{e} (pp={lay.pp})") from None
+        return str(e)
+    return None
+
+
+def _check_pipeline(lay: LayoutConfig) -> None:
+    """Schedule arguments via the schedule library's own rules (``make_schedule``)."""
+    err = _schedule_refusal(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+    if err:
+        raise ConfigError(f"layout.{err} (pp={lay.pp})")
     # Combinations the pipeline executor does not run correctly are refused, not ignored.
     if lay.remat == "offload":
         raise ConfigError(
