@@ -41,7 +41,7 @@ def _describe(names: set[str]) -> str:
         "float": "a number",
         "str": "a string",
         "bool": "a boolean (true/false)",
-        "list": "a list of strings",
+        "list": "a list",
         "dict": "a mapping",
         "None": "null",
     }
@@ -71,12 +71,35 @@ def check(where: str, value: Any, f: dataclasses.Field) -> Any:
             return float(value)
         except ValueError:
             pass
-    elif isinstance(value, list) and "list" in names and all(isinstance(v, str) for v in value):
-        return value
+    elif isinstance(value, list) and "list" in names:
+        items = _list_items(value, _element(f))
+        if items is not None:
+            return items
     elif isinstance(value, dict) and "dict" in names:
         return value
     shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
     raise ConfigError(f"{where}={shown}: expected {_describe(names)}")
+
+
+def _element(f: dataclasses.Field) -> str:
+    """The element annotation of a ``list[...]`` field (``'str'``, ``'list[float]'``)."""
+    text = f.type if isinstance(f.type, str) else str(f.type)
+    start = text.find("list[")
+    return text[start + 5 : text.rindex("]")].strip() if start >= 0 else "str"
+
+
+def _list_items(value: list, element: str) -> list | None:
+    """``value`` checked against a list element annotation (numbers widened), or None."""
+    if element == "str":
+        return value if all(isinstance(v, str) for v in value) else None
+    if element == "list[float]":
+        rows = []
+        for row in value:
+            if not isinstance(row, list) or not all(finite(x) for x in row):
+                return None
+            rows.append([float(x) for x in row])
+        return rows
+    return None
 
 
 def from_text(text: str, f: dataclasses.Field, where: str) -> Any:
@@ -103,7 +126,13 @@ def from_text(text: str, f: dataclasses.Field, where: str) -> Any:
             if "str" not in names:
                 raise ConfigError(f"{where}={text!r}: expected {_describe(names)}") from None
     if "list" in names:
-        return [v for v in text.split(",") if v]
+        parts = [v for v in text.split(",") if v]
+        if _element(f) == "list[float]":  # "64:0.31,1024:0.62" -> [[64.0, 0.31], [1024.0, 0.62]]
+            try:
+                return [[float(x) for x in part.split(":")] for part in parts]
+            except ValueError:
+                raise ConfigError(f"{where}={text!r}: expected SIZE:SHARE,SIZE:SHARE,...") from None
+        return parts
     if "str" in names:
         return text
     raise ConfigError(f"{where}={text!r}: expected {_describe(names)}")
