@@ -11,20 +11,17 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from jaxpar import config as C  # noqa: E402
 
+# The test model, once: small_config uses it, and MODEL_YAML is its model file for the
+# subprocess tests that run the CLI.
+TEST_MODEL = dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256,
+                  max_seq_len=64)  # fmt: skip
+MODEL_YAML = "name: test\n" + "".join(f"{k}: {v}\n" for k, v in TEST_MODEL.items())
+
 
 def small_config(**layout) -> C.RunConfig:
     """A run small enough to compile and step in about a second on 2 cores."""
     cfg = C.load("tiny", "cpu-8")
-    cfg.model = C.ModelConfig(
-        name="test",
-        n_layers=4,
-        d_model=64,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=128,
-        vocab_size=256,
-        max_seq_len=64,
-    )
+    cfg.model = C.ModelConfig(name="test", **TEST_MODEL)
     cfg.train.global_batch = 16
     cfg.train.seq_len = 32
     cfg.train.steps = 5

@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import MODEL_YAML
 from jax import monitoring
 
 from jaxpar.checkpoint import Checkpointer, verify_step
@@ -31,14 +32,6 @@ from jaxpar.train.guard import Divergence
 from jaxpar.train.loop import run
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_YAML = """n_layers: 4
-d_model: 64
-n_heads: 4
-n_kv_heads: 2
-d_ff: 128
-vocab_size: 256
-max_seq_len: 64
-"""
 # one device, the test model, synthetic data: compiles in seconds
 ONE_DEVICE = [
     *("--devices", "1", "--dp", "1", "--tp", "1", "--pp", "1", "--microbatches", "1"),

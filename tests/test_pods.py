@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import MODEL_YAML
 
 from jaxpar import config as C
 from jaxpar.cli import main
@@ -20,15 +21,6 @@ from jaxpar.profiling import StepProfiler, parse_steps
 from jaxpar.train.loop import run
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_YAML = """name: test
-n_layers: 4
-d_model: 64
-n_heads: 4
-n_kv_heads: 2
-d_ff: 128
-vocab_size: 256
-max_seq_len: 64
-"""
 # The CLI spelling of tests/conftest.py's small_config (dp=4, tp=2).
 TRAIN_ARGS = [
     "--global-batch", "16", "--seq-len", "32", "--steps", "5", "--dp", "4", "--tp", "2",

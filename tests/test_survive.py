@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import MODEL_YAML
 
 from jaxpar import checkpoint as ck
 from jaxpar.checkpoint import Checkpointer, CheckpointWarning
@@ -34,14 +35,6 @@ from jaxpar.train.step import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 10
-MODEL_YAML = """n_layers: 4
-d_model: 64
-n_heads: 4
-n_kv_heads: 2
-d_ff: 128
-vocab_size: 256
-max_seq_len: 64
-"""
 
 
 def _ckpt_cfg(make_cfg, path, steps, every, **layout):
