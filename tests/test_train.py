@@ -8,37 +8,24 @@ from jaxpar.data import Batches, load_corpus
 from jaxpar.devices import make_mesh
 from jaxpar.errors import CheckpointError
 from jaxpar.train.loop import run
-from jaxpar.train.step import Trainer
+
+
+def _run(cfg):
+    return run(cfg, devices=jax.devices()[: cfg.layout.n_devices])
 
 
 def _losses(cfg):
-    return np.array(run(cfg, devices=jax.devices()[: cfg.layout.n_devices])["losses"])
+    return np.array(_run(cfg)["losses"])
 
 
 def test_dp8_matches_single_device(make_cfg):
-    ref = _losses(make_cfg(dp=1))
-    got = _losses(make_cfg(dp=8))
-    assert ref.shape == (5,) and ref[-1] < ref[0]
-    np.testing.assert_allclose(got, ref, rtol=1e-5)
-
-
-def test_dp_tp_gradients_match_single_device(make_cfg):
-    """Loss and every gradient leaf equal the 1-device ones (rank-coded data: rows differ)."""
-
-    def grads(cfg):
-        mesh = make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices])
-        tr = Trainer(cfg, mesh)
-        state = tr.init_state(0)
-        corpus = load_corpus("stdlib", 256)
-        batch = Batches(corpus, 16, 32, seed=3).global_array(0, tr.batch_sharding)
-        loss, g = tr.grads(state["params"], batch)
-        return float(loss), jax.tree.map(np.asarray, g)
-
-    ref_loss, ref = grads(make_cfg(dp=1))
-    for layout in (dict(dp=4, tp=2), dict(dp=2, tp=4)):
-        loss, g = grads(make_cfg(**layout))
-        assert abs(loss / ref_loss - 1) < 1e-5, layout
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), g, ref)
+    ref = _run(make_cfg(dp=1))
+    got = _run(make_cfg(dp=8))  # ZeRO-1 (the mesh default)
+    assert len(ref["losses"]) == 5 and ref["losses"][-1] < ref["losses"][0]
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
+    # The summary names what the compiled step does over dp (one dp rank: nothing).
+    assert got["layout"]["dp_reduction"] == "reduce_scatter_once"
+    assert ref["layout"]["dp_reduction"] == "none"
 
 
 def test_data_is_layout_independent_and_sharded():
