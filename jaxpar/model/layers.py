@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.attention import causal_attention, kv_repeat, ring_attention
+from jaxpar.model.attention import core as attention_core
+from jaxpar.model.attention import kv_repeat, nvidia, resolve, ring_attention, ulysses
 from jaxpar.sharding import active_rules, constrain
 
 
@@ -49,7 +50,11 @@ def rope(x_BxSxNxDh: jax.Array, positions_S: jax.Array, theta: float) -> jax.Arr
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention; QKV column-parallel, output row-parallel over ``tp``."""
+    """Grouped-query self-attention; QKV column-parallel, output row-parallel over ``tp``.
+
+    ``__call__`` is :meth:`qkv` → :meth:`core` → :meth:`out`; a decode path with a KV cache
+    calls :meth:`qkv` and :meth:`out` around its own core.
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, k, dh, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.init_std
@@ -68,8 +73,17 @@ class Attention(nnx.Module):
             _normal(rngs, (h, dh, d), out_std), logical_axes=("heads", "head_dim", "embed")
         )
         self.theta = cfg.rope_theta
+        self.attention, self.block = cfg.attention, cfg.attention_block
 
     def __call__(self, x_BxSxD: jax.Array, positions_S: jax.Array) -> jax.Array:
+        q, k, v = self.qkv(x_BxSxD, positions_S)
+        return self.out(self.core(q, k, v))
+
+    def qkv(self, x_BxSxD: jax.Array, positions_S: jax.Array):
+        """Projections with rotary embeddings applied: ``q [B, S, H', Dh]``, ``k``, ``v``
+        ``[B, S, K', Dh]`` in the projection layout (seq on sp, heads on tp). ``H'`` = H and
+        ``K'`` = K·r, the kv heads repeated r times (:func:`kv_repeat`) when fewer than the
+        head shards; ``positions_S`` are the tokens' absolute positions."""
         dt = x_BxSxD.dtype
         b, s, _ = x_BxSxD.shape
         h, kvh, dh = self.wq.shape[1], self.wk.shape[1], self.wq.shape[2]
@@ -100,28 +114,30 @@ class Attention(nnx.Module):
         layout = ("batch", "seq", "heads", "head_dim")
         q = constrain(rope(q, positions_S, self.theta), layout)
         k = constrain(rope(k, positions_S, self.theta), layout)
-        v = constrain(v, layout)
-        mode = rules.attention if rules else "local"
-        o_BxSxHxDh = self.core(q, k, v, mode)
+        return q, k, constrain(v, layout)
+
+    def out(self, o_BxSxHxDh: jax.Array) -> jax.Array:
+        """Row-parallel output projection ``[B, S, H, Dh] -> [B, S, D]``."""
         o_BxSxHxDh = constrain(o_BxSxHxDh, ("batch", "seq", "heads", "head_dim"))
-        # Row-parallel: contracting the tp-sharded heads gives partial sums -> one all-reduce
-        # over tp (a reduce-scatter onto the sequence shards under Megatron-SP).
-        out = jnp.einsum("bshk,hkd->bsd", o_BxSxHxDh, self.wo[...].astype(dt))
+        # Contracting the tp-sharded heads gives partial sums -> one all-reduce over tp (a
+        # reduce-scatter onto the sequence shards under Megatron-SP).
+        out = jnp.einsum("bshk,hkd->bsd", o_BxSxHxDh, self.wo[...].astype(o_BxSxHxDh.dtype))
         return constrain(out, ("batch", "act_seq", "embed"))
 
-    @staticmethod
-    def core(q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, mode: str):
-        """The attention core: dense (``local``), ``ulysses`` or ``ring``."""
-        if mode == "ring":
-            return ring_attention(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh, "sp")
-        # Ulysses: sequence-sharded -> head-sharded is an all-to-all over sp (each device then
-        # holds full sequences of H/(tp·sp) heads). Without sp these are no-ops.
-        q_BxSxHxDh = constrain(q_BxSxHxDh, ("batch", "attn_seq", "attn_heads", "head_dim"))
-        k_BxSxKxDh = constrain(k_BxSxKxDh, ("batch", "attn_seq", "attn_kv_heads", "head_dim"))
-        v_BxSxKxDh = constrain(v_BxSxKxDh, ("batch", "attn_seq", "attn_kv_heads", "head_dim"))
-        o_BxSxHxDh = causal_attention(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
-        # And back (all-to-all over sp) in the caller's constraint to `seq`.
-        return constrain(o_BxSxHxDh, ("batch", "attn_seq", "attn_heads", "head_dim"))
+    def implementation(self, dtype, head_dim: int) -> str:
+        """The attention implementation this layer runs (:func:`attention.resolve`)."""
+        rules = active_rules()
+        mode = rules.attention if rules else "local"
+        return resolve(self.attention, nvidia(jax.devices()[0]), dtype, head_dim, mode)
+
+    def core(self, q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array):
+        """Causal attention of the layout's parallel form (local, Ulysses or ring) with the
+        implementation ``model.attention`` resolves to."""
+        rules = active_rules()
+        impl = self.implementation(q_BxSxHxDh.dtype, q_BxSxHxDh.shape[-1])
+        if rules is not None and rules.attention == "ring":
+            return ring_attention(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh, "sp", self.block)
+        return ulysses(attention_core(impl, self.block))(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
 
 
 def _fused_columns(ws: list[jax.Array], tp: int, dt, logical: tuple) -> jax.Array:

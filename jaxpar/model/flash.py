@@ -1,0 +1,298 @@
+"""Blockwise (flash-style) attention with its own backward: the score matrix never exists.
+
+Queries and keys are cut into blocks of ``c`` positions. A *tile* is one (query block, key
+block) pair; the forward folds a row's tiles into an online softmax (running max ``m``,
+denominator ``l`` and numerator ``acc``, all fp32: FlashAttention, Dao et al. 2022) and keeps
+only the output and its log-sum-exp ``lse``. The backward recomputes each tile's probabilities
+from q, k and ``lse`` (FlashAttention-2, Dao 2023): with ``delta = rowsum(dO ∘ O)``,
+``dS = P ∘ (dO·Vᵀ − delta)``, ``dQ = dS·K``, ``dK = dSᵀ·Q``, ``dV = Pᵀ·dO``. Saved per layer:
+q, k, v, o and lse — linear in the sequence — instead of the ``[B, H, S, S]`` probabilities.
+
+Causal tiles above the diagonal are never computed (row ``i`` visits key blocks ``0..i``, only
+the diagonal tile is masked); that skips about half of the score FLOPs.
+
+Layout. The kernel works block-major and head-major: q ``[N, B, K, G, C, Dh]`` (N blocks of C
+positions, the H = K·G query heads grouped under their kv head), k and v ``[N, B, K, C, Dh]``.
+A tile's four matmuls are then plain batched matmuls over (B, K) with no per-tile layout copy
+of q, k or v, and GQA never materialises repeated k/v (``dK``/``dV`` sum over G inside the
+contraction). The one transposition into and out of this layout is per layer, on q/k/v/o only.
+
+Two drivers run the same tiles. ``unrolled`` writes the tiles out at trace time (static slices,
+independent rows free to run concurrently); it is the default up to :data:`UNROLL_MAX_BLOCKS`
+blocks. ``looped`` runs rows in a ``fori_loop`` with an inner loop over key blocks, so the
+program size stays constant at long sequences.
+
+A sequence that the block size does not divide is padded at the end: under the causal mask no
+real query sees a padded key (padded rows are dropped); for full (non-causal) tiles, used by
+ring attention, the padded keys of the last block are masked.
+
+:mod:`jaxpar.model.attention` builds the causal core (:func:`blockwise_attention`) and ring
+attention's steps from :func:`forward` / :func:`backward` here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NEG = float(jnp.finfo(jnp.float32).min)
+UNROLL_MAX_BLOCKS = 16  # beyond this many blocks per sequence, the looped driver
+DRIVERS = ("auto", "unrolled", "looped")
+
+# (running max, denominator, numerator): [.., C], [.., C], [.., C, Dh], fp32
+State = tuple[jax.Array, jax.Array, jax.Array]
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A sequence of ``s`` positions cut into ``n`` blocks of ``c`` (padded to ``n·c``)."""
+
+    n: int
+    c: int
+    s: int
+
+    @staticmethod
+    def of(s: int, block: int) -> Blocks:
+        """Blocks of ``min(block, s)`` positions covering ``s``."""
+        if block < 1:
+            raise ValueError(f"attention block {block}: must be a positive integer")
+        c = min(block, s)
+        return Blocks(-(-s // c), c, s)
+
+    @property
+    def pad(self) -> int:
+        """Positions added at the end."""
+        return self.n * self.c - self.s
+
+    def driver(self, driver: str) -> str:
+        """Resolve ``auto`` by the number of blocks."""
+        if driver not in DRIVERS:
+            raise ValueError(f"attention driver {driver!r}: must be one of {DRIVERS}")
+        if driver == "auto":
+            return "unrolled" if self.n <= UNROLL_MAX_BLOCKS else "looped"
+        return driver
+
+
+# --------------------------------------------------------------------------------------------
+# Into and out of the block-major, head-major layout
+
+
+def _pad_seq(x: jax.Array, bl: Blocks) -> jax.Array:
+    if not bl.pad:
+        return x
+    return jnp.pad(x, [(0, 0), (0, bl.pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def q_blocks(q_BxSxHxDh: jax.Array, kv_heads: int, bl: Blocks) -> jax.Array:
+    """``[B, S, H, Dh] -> [N, B, K, G, C, Dh]`` (query head h = k·G + g)."""
+    b, _, h, dh = q_BxSxHxDh.shape
+    x = _pad_seq(q_BxSxHxDh, bl).reshape(b, bl.n, bl.c, kv_heads, h // kv_heads, dh)
+    return x.transpose(1, 0, 3, 4, 2, 5)
+
+
+def kv_blocks(k_BxSxKxDh: jax.Array, bl: Blocks) -> jax.Array:
+    """``[B, S, K, Dh] -> [N, B, K, C, Dh]``."""
+    b, _, kvh, dh = k_BxSxKxDh.shape
+    return _pad_seq(k_BxSxKxDh, bl).reshape(b, bl.n, bl.c, kvh, dh).transpose(1, 0, 3, 2, 4)
+
+
+def q_unblocks(x_NxBxKxGxCxDh: jax.Array, s: int) -> jax.Array:
+    """Inverse of :func:`q_blocks` (padding dropped)."""
+    n, b, kvh, g, c, dh = x_NxBxKxGxCxDh.shape
+    return x_NxBxKxGxCxDh.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * c, kvh * g, dh)[:, :s]
+
+
+def kv_unblocks(x_NxBxKxCxDh: jax.Array, s: int) -> jax.Array:
+    """Inverse of :func:`kv_blocks` (padding dropped)."""
+    n, b, kvh, c, dh = x_NxBxKxCxDh.shape
+    return x_NxBxKxCxDh.transpose(1, 0, 3, 2, 4).reshape(b, n * c, kvh, dh)[:, :s]
+
+
+# --------------------------------------------------------------------------------------------
+# One tile
+
+
+def _scores(q_i: jax.Array, k_j: jax.Array) -> jax.Array:
+    """Scaled logits of one tile ``[B, K, G, Cq, Ck]`` in fp32."""
+    s = jnp.einsum("bkgqd,bksd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32)
+    return s * (q_i.shape[-1] ** -0.5)
+
+
+def init_state(q_NxBxKxGxCxDh: jax.Array) -> State:
+    """Empty online-softmax state of every row block."""
+    # *_like: inside shard_map the state varies over the manual axes as q does.
+    row = q_NxBxKxGxCxDh[..., 0]
+    return (
+        jnp.full_like(row, NEG, jnp.float32),
+        jnp.zeros_like(row, jnp.float32),
+        jnp.zeros_like(q_NxBxKxGxCxDh, jnp.float32),
+    )
+
+
+def fold(state: State, q_i: jax.Array, k_j: jax.Array, v_j: jax.Array, mask) -> State:
+    """Fold one key block into a row's online softmax (the kernel ring attention shares)."""
+    top, den, acc = state
+    s = _scores(q_i, k_j)
+    if mask is not None:
+        s = jnp.where(mask, s, NEG)
+    top_new = jnp.maximum(top, s.max(axis=-1))
+    alpha = jnp.exp(top - top_new)
+    p = jnp.exp(s - top_new[..., None])
+    f32 = jnp.float32
+    pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v_j.dtype), v_j, preferred_element_type=f32)
+    return top_new, den * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
+
+
+def finish(state: State) -> tuple[jax.Array, jax.Array]:
+    """Output (fp32) and log-sum-exp of folded rows."""
+    top, den, acc = state
+    return acc / den[..., None], top + jnp.log(den)
+
+
+def tile_grads(q_i, k_j, v_j, do_i, lse_i, delta_i, mask):
+    """``(dq_i, dk_j, dv_j)`` contributions of one tile, fp32, from the recomputed scores."""
+    p = jnp.exp(_scores(q_i, k_j) - lse_i[..., None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    f32 = jnp.float32
+    dv = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(do_i.dtype), do_i, preferred_element_type=f32)
+    dp = jnp.einsum("bkgqd,bksd->bkgqs", do_i, v_j, preferred_element_type=f32)
+    ds = (p * (dp - delta_i[..., None]) * (q_i.shape[-1] ** -0.5)).astype(q_i.dtype)
+    dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, k_j, preferred_element_type=f32)
+    dk = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_i, preferred_element_type=f32)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# Which tiles a row visits
+
+
+def _masks(bl: Blocks, causal: bool):
+    """Static masks: the causal diagonal tile, or the padded keys of the last block."""
+    if causal:
+        return np.tril(np.ones((bl.c, bl.c), bool))
+    return (np.arange(bl.c) < bl.c - bl.pad)[None, :] if bl.pad else None
+
+
+def _plan(i, bl: Blocks, causal: bool):
+    """Row ``i`` visits key blocks ``0..hi-1`` unmasked, then ``last`` under ``mask``
+    (``last`` None: no masked block). ``i`` may be traced (looped driver)."""
+    if causal:
+        return i, i, _masks(bl, True)
+    if bl.pad:
+        return bl.n - 1, bl.n - 1, _masks(bl, False)
+    return bl.n, None, None
+
+
+def _take(tree, i):
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def forward(qb, kb, vb, bl: Blocks, causal: bool, state: State | None = None, driver="auto"):
+    """Fold key/value blocks ``kb``/``vb`` into every query row of ``qb``; returns the state.
+
+    ``causal``: key block j is visible to query block i iff j ≤ i (the diagonal masked);
+    otherwise every key block is visible (the queries follow the keys in the sequence).
+    """
+    state = init_state(qb) if state is None else state
+    if bl.driver(driver) == "unrolled":
+        rows = []
+        for i in range(bl.n):
+            hi, last, mask = _plan(i, bl, causal)
+            st = _take(state, i)
+            for j in range(hi):
+                st = fold(st, qb[i], kb[j], vb[j], None)
+            if last is not None:
+                st = fold(st, qb[i], kb[last], vb[last], mask)
+            rows.append(st)
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
+
+    def row(i, carry):
+        hi, last, mask = _plan(i, bl, causal)
+        q_i = qb[i]
+        st = _take(carry, i)
+        st = jax.lax.fori_loop(0, hi, lambda j, s: fold(s, q_i, kb[j], vb[j], None), st)
+        if last is not None:
+            st = fold(st, q_i, kb[last], vb[last], mask)
+        return jax.tree.map(lambda c, x: c.at[i].set(x), carry, st)
+
+    return jax.lax.fori_loop(0, bl.n, row, state)
+
+
+def backward(qb, kb, vb, dob, lse, delta, bl: Blocks, causal: bool, driver="auto"):
+    """Gradients ``(dq, dk, dv)`` (fp32, block layout) of the tiles :func:`forward` visits,
+    against the *final* log-sum-exp ``lse`` and ``delta = rowsum(dO ∘ O)`` of the rows."""
+    zeros = partial(jnp.zeros_like, dtype=jnp.float32)  # varying as its argument (shard_map)
+    if bl.driver(driver) == "unrolled":
+        dq = [zeros(qb[0]) for _ in range(bl.n)]
+        dk = [zeros(kb[0]) for _ in range(bl.n)]
+        dv = [zeros(vb[0]) for _ in range(bl.n)]
+        for i in range(bl.n):
+            hi, last, mask = _plan(i, bl, causal)
+            tiles = [(j, None) for j in range(hi)] + ([(last, mask)] if last is not None else [])
+            for j, m in tiles:
+                gq, gk, gv = tile_grads(qb[i], kb[j], vb[j], dob[i], lse[i], delta[i], m)
+                dq[i], dk[j], dv[j] = dq[i] + gq, dk[j] + gk, dv[j] + gv
+        return jnp.stack(dq), jnp.stack(dk), jnp.stack(dv)
+
+    def row(i, carry):
+        dq, dk, dv = carry
+        hi, last, mask = _plan(i, bl, causal)
+        args = (qb[i], dob[i], lse[i], delta[i])
+
+        def tile(j, c, m=None):
+            dq_i, dk, dv = c
+            gq, gk, gv = tile_grads(args[0], kb[j], vb[j], args[1], args[2], args[3], m)
+            return dq_i + gq, dk.at[j].add(gk), dv.at[j].add(gv)
+
+        c = jax.lax.fori_loop(0, hi, tile, (zeros(qb[0]), dk, dv))
+        if last is not None:
+            c = tile(last, c, mask)
+        return dq.at[i].set(c[0]), c[1], c[2]
+
+    return jax.lax.fori_loop(0, bl.n, row, (zeros(qb), zeros(kb), zeros(vb)))
+
+
+# --------------------------------------------------------------------------------------------
+# The causal core
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def blockwise_attention(
+    q_BxSxHxDh: jax.Array,
+    k_BxSxKxDh: jax.Array,
+    v_BxSxKxDh: jax.Array,
+    block: int = 64,
+    driver: str = "auto",
+) -> jax.Array:
+    """Causal grouped-query attention (H = K·G) in blocks of ``block`` positions."""
+    return _fwd(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh, block, driver)[0]
+
+
+def _fwd(q, k, v, block, driver):
+    bl = Blocks.of(q.shape[1], block)
+    qb, kb, vb = q_blocks(q, k.shape[2], bl), kv_blocks(k, bl), kv_blocks(v, bl)
+    ob, lse = finish(forward(qb, kb, vb, bl, True, driver=driver))
+    ob = ob.astype(q.dtype)
+    return q_unblocks(ob, bl.s), (qb, kb, vb, ob, lse)
+
+
+def _bwd(block, driver, res, do_BxSxHxDh):
+    qb, kb, vb, ob, lse = res
+    s = do_BxSxHxDh.shape[1]
+    bl = Blocks.of(s, block)
+    dob = q_blocks(do_BxSxHxDh, kb.shape[2], bl)
+    delta = jnp.sum(dob.astype(jnp.float32) * ob.astype(jnp.float32), axis=-1)
+    dq, dk, dv = backward(qb, kb, vb, dob, lse, delta, bl, True, driver)
+    return (
+        q_unblocks(dq, s).astype(qb.dtype),
+        kv_unblocks(dk, s).astype(kb.dtype),
+        kv_unblocks(dv, s).astype(vb.dtype),
+    )
+
+
+blockwise_attention.defvjp(_fwd, _bwd)
