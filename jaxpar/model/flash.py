@@ -116,9 +116,9 @@ def kv_unblocks(x_NxBxKxCxDh: jax.Array, s: int) -> jax.Array:
 # One tile
 
 
-def _scores(q_i: jax.Array, k_j: jax.Array) -> jax.Array:
-    """Scaled logits of one tile ``[B, K, G, Cq, Ck]`` in fp32."""
-    s = jnp.einsum("bkgqd,bksd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32)
+def _scores(q_i: jax.Array, kt_j: jax.Array) -> jax.Array:
+    """Scaled logits of one tile ``[B, K, G, Cq, Ck]`` in fp32 (``kt_j``: k transposed)."""
+    s = jnp.einsum("bkgqd,bkds->bkgqs", q_i, kt_j, preferred_element_type=jnp.float32)
     return s * (q_i.shape[-1] ** -0.5)
 
 
@@ -133,10 +133,10 @@ def init_state(q_NxBxKxGxCxDh: jax.Array) -> State:
     )
 
 
-def fold(state: State, q_i: jax.Array, k_j: jax.Array, v_j: jax.Array, mask) -> State:
-    """Fold one key block into a row's online softmax (the kernel ring attention shares)."""
+def fold(state: State, q_i: jax.Array, kt_j: jax.Array, v_j: jax.Array, mask) -> State:
+    """Fold one key block (``kt_j`` = kᵀ ``[B, K, Dh, Ck]``) into a row's online softmax."""
     top, den, acc = state
-    s = _scores(q_i, k_j)
+    s = _scores(q_i, kt_j)
     if mask is not None:
         s = jnp.where(mask, s, NEG)
     top_new = jnp.maximum(top, s.max(axis=-1))
@@ -153,18 +153,32 @@ def finish(state: State) -> tuple[jax.Array, jax.Array]:
     return acc / den[..., None], top + jnp.log(den)
 
 
-def tile_grads(q_i, k_j, v_j, do_i, lse_i, delta_i, mask):
-    """``(dq_i, dk_j, dv_j)`` contributions of one tile, fp32, from the recomputed scores."""
-    p = jnp.exp(_scores(q_i, k_j) - lse_i[..., None])
-    if mask is not None:
-        p = jnp.where(mask, p, 0.0)
+def tile_grads(q_i, qt_i, k_j, kt_j, v_j, do_i, dot_i, lse_i, delta_i, mask):
+    """``(dqᵀ_i, dk_j, dv_j)`` contributions of one tile, fp32, from the recomputed scores.
+
+    The tile is recomputed transposed, ``Sᵀ [B, K, Ck, G, Cq]``, and every operand comes in
+    the layout its matmul reads in place (``*t_*``: transposed copies made once per call):
+    XLA's CPU dot takes ``[M, K] x [K, N]`` row-major operands and copies any other form, which
+    per tile would be P and dS (or k and dO). dq comes out transposed ``[B, K, Dh, G, Cq]``.
+    ``mask`` is the tile's ``[Cq, Ck]`` mask or None.
+    """
     f32 = jnp.float32
-    dv = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(do_i.dtype), do_i, preferred_element_type=f32)
-    dp = jnp.einsum("bkgqd,bksd->bkgqs", do_i, v_j, preferred_element_type=f32)
-    ds = (p * (dp - delta_i[..., None]) * (q_i.shape[-1] ** -0.5)).astype(q_i.dtype)
-    dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, k_j, preferred_element_type=f32)
-    dk = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_i, preferred_element_type=f32)
-    return dq, dk, dv
+    scale = q_i.shape[-1] ** -0.5
+    st = jnp.einsum("bksd,bkdgq->bksgq", k_j, qt_i, preferred_element_type=f32) * scale
+    pt = jnp.exp(st - lse_i[:, :, None])
+    if mask is not None:
+        pt = jnp.where(np.asarray(mask).T[:, None, :], pt, 0.0)
+    dv = jnp.einsum("bksgq,bkgqd->bksd", pt.astype(do_i.dtype), do_i, preferred_element_type=f32)
+    dpt = jnp.einsum("bksd,bkdgq->bksgq", v_j, dot_i, preferred_element_type=f32)
+    dst = (pt * (dpt - delta_i[:, :, None]) * scale).astype(q_i.dtype)
+    dk = jnp.einsum("bksgq,bkgqd->bksd", dst, q_i, preferred_element_type=f32)
+    dqt = jnp.einsum("bkds,bksgq->bkdgq", kt_j, dst, preferred_element_type=f32)
+    return dqt, dk, dv
+
+
+def _t(x: jax.Array, q: bool) -> jax.Array:
+    """Transposed blocks: q ``[.., G, C, Dh] -> [.., Dh, G, C]``, k ``[.., C, Dh] -> [.., Dh, C]``."""
+    return jnp.moveaxis(x, -1, -3) if q else jnp.swapaxes(x, -1, -2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,15 +213,16 @@ def forward(qb, kb, vb, bl: Blocks, causal: bool, state: State | None = None, dr
     otherwise every key block is visible (the queries follow the keys in the sequence).
     """
     state = init_state(qb) if state is None else state
+    ktb = _t(kb, q=False)  # kᵀ blocks [N, B, K, Dh, C], once per call
     if bl.driver(driver) == "unrolled":
         rows = []
         for i in range(bl.n):
             hi, last, mask = _plan(i, bl, causal)
             st = _take(state, i)
             for j in range(hi):
-                st = fold(st, qb[i], kb[j], vb[j], None)
+                st = fold(st, qb[i], ktb[j], vb[j], None)
             if last is not None:
-                st = fold(st, qb[i], kb[last], vb[last], mask)
+                st = fold(st, qb[i], ktb[last], vb[last], mask)
             rows.append(st)
         return jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
 
@@ -215,9 +230,9 @@ def forward(qb, kb, vb, bl: Blocks, causal: bool, state: State | None = None, dr
         hi, last, mask = _plan(i, bl, causal)
         q_i = qb[i]
         st = _take(carry, i)
-        st = jax.lax.fori_loop(0, hi, lambda j, s: fold(s, q_i, kb[j], vb[j], None), st)
+        st = jax.lax.fori_loop(0, hi, lambda j, s: fold(s, q_i, ktb[j], vb[j], None), st)
         if last is not None:
-            st = fold(st, q_i, kb[last], vb[last], mask)
+            st = fold(st, q_i, ktb[last], vb[last], mask)
         return jax.tree.map(lambda c, x: c.at[i].set(x), carry, st)
 
     return jax.lax.fori_loop(0, bl.n, row, state)
@@ -227,34 +242,41 @@ def backward(qb, kb, vb, dob, lse, delta, bl: Blocks, causal: bool, driver="auto
     """Gradients ``(dq, dk, dv)`` (fp32, block layout) of the tiles :func:`forward` visits,
     against the *final* log-sum-exp ``lse`` and ``delta = rowsum(dO ∘ O)`` of the rows."""
     zeros = partial(jnp.zeros_like, dtype=jnp.float32)  # varying as its argument (shard_map)
+    qtb, ktb, dotb = _t(qb, q=True), _t(kb, q=False), _t(dob, q=True)  # once per call
+    dqt0 = zeros(qtb[0])  # one row's dqᵀ [B, K, Dh, G, C]
     if bl.driver(driver) == "unrolled":
-        dq = [zeros(qb[0]) for _ in range(bl.n)]
+        dq = [dqt0 for _ in range(bl.n)]
         dk = [zeros(kb[0]) for _ in range(bl.n)]
         dv = [zeros(vb[0]) for _ in range(bl.n)]
         for i in range(bl.n):
             hi, last, mask = _plan(i, bl, causal)
             tiles = [(j, None) for j in range(hi)] + ([(last, mask)] if last is not None else [])
             for j, m in tiles:
-                gq, gk, gv = tile_grads(qb[i], kb[j], vb[j], dob[i], lse[i], delta[i], m)
-                dq[i], dk[j], dv[j] = dq[i] + gq, dk[j] + gk, dv[j] + gv
-        return jnp.stack(dq), jnp.stack(dk), jnp.stack(dv)
+                g = tile_grads(
+                    qb[i], qtb[i], kb[j], ktb[j], vb[j], dob[i], dotb[i], lse[i], delta[i], m
+                )
+                dq[i], dk[j], dv[j] = dq[i] + g[0], dk[j] + g[1], dv[j] + g[2]
+        dqt, dk, dv = jnp.stack(dq), jnp.stack(dk), jnp.stack(dv)
+    else:
 
-    def row(i, carry):
-        dq, dk, dv = carry
-        hi, last, mask = _plan(i, bl, causal)
-        args = (qb[i], dob[i], lse[i], delta[i])
+        def row(i, carry):
+            dqt, dk, dv = carry
+            hi, last, mask = _plan(i, bl, causal)
+            q_i, qt_i, do_i, dot_i = qb[i], qtb[i], dob[i], dotb[i]
 
-        def tile(j, c, m=None):
-            dq_i, dk, dv = c
-            gq, gk, gv = tile_grads(args[0], kb[j], vb[j], args[1], args[2], args[3], m)
-            return dq_i + gq, dk.at[j].add(gk), dv.at[j].add(gv)
+            def tile(j, c, m=None):
+                dq_i, dk, dv = c
+                g = tile_grads(q_i, qt_i, kb[j], ktb[j], vb[j], do_i, dot_i, lse[i], delta[i], m)
+                return dq_i + g[0], dk.at[j].add(g[1]), dv.at[j].add(g[2])
 
-        c = jax.lax.fori_loop(0, hi, tile, (zeros(qb[0]), dk, dv))
-        if last is not None:
-            c = tile(last, c, mask)
-        return dq.at[i].set(c[0]), c[1], c[2]
+            c = jax.lax.fori_loop(0, hi, tile, (dqt0, dk, dv))
+            if last is not None:
+                c = tile(last, c, mask)
+            return dqt.at[i].set(c[0]), c[1], c[2]
 
-    return jax.lax.fori_loop(0, bl.n, row, (zeros(qb), zeros(kb), zeros(vb)))
+        init = (jnp.stack([dqt0] * bl.n), zeros(kb), zeros(vb))
+        dqt, dk, dv = jax.lax.fori_loop(0, bl.n, row, init)
+    return jnp.moveaxis(dqt, -3, -1), dk, dv  # dq back to [N, B, K, G, C, Dh]
 
 
 # --------------------------------------------------------------------------------------------
