@@ -54,7 +54,9 @@ class ModelConfig:
     # How the model runs (no effect on parameter shapes; README "Attention and the layer loop").
     attention: str = "auto"  # auto | blockwise | dense | cudnn (jaxpar.model.attention)
     attention_block: int = 64  # query/key positions per tile of the blockwise kernel
-    layer_unroll: int = 1  # layer loop: 1 = lax.scan, k = scan unrolled by k, 0 = no loop
+    layer_unroll: int = (
+        1  # layer loop: 1 = lax.scan, k = scan unrolled by k, 0 = no loop (unwrapped layers)
+    )
     loss_chunk: int = 1024  # sequence positions per cross-entropy chunk ([B, chunk, V] logits)
 
     @property

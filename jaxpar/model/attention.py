@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ATTENTION as IMPLEMENTATIONS
+from jaxpar.config import RunConfig
 from jaxpar.errors import ConfigError
 from jaxpar.model import flash
 from jaxpar.sharding import constrain
@@ -110,6 +111,14 @@ def resolve(setting: str, on_nvidia: bool, dtype, head_dim: int, mode: str = "lo
             f"{jnp.dtype(dtype).name} and head dim {head_dim}"
         )
     return setting
+
+
+def implementation_for(cfg: RunConfig, device: jax.Device) -> str:
+    """The implementation a run uses on ``device`` (its compute dtype, head dim, parallel
+    form); raises :class:`ConfigError` for a forced one it cannot run."""
+    lay = cfg.layout
+    mode = "ring" if lay.sp > 1 and lay.sp_mode == "ring" else "local"
+    return resolve(cfg.model.attention, nvidia(device), lay.compute_dtype, cfg.model.hd, mode)
 
 
 def core(implementation: str, block: int) -> Core:

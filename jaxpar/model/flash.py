@@ -17,10 +17,11 @@ A tile's four matmuls are then plain batched matmuls over (B, K) with no per-til
 of q, k or v, and GQA never materialises repeated k/v (``dK``/``dV`` sum over G inside the
 contraction). The one transposition into and out of this layout is per layer, on q/k/v/o only.
 
-Two drivers run the same tiles. ``unrolled`` writes the tiles out at trace time (static slices,
-independent rows free to run concurrently); it is the default up to :data:`UNROLL_MAX_BLOCKS`
-blocks. ``looped`` runs rows in a ``fori_loop`` with an inner loop over key blocks, so the
-program size stays constant at long sequences.
+The tiles run in loops — a ``fori_loop`` over query rows, inside it one over the row's key
+blocks — so the program is one tile's code whatever the sequence length, and one tile's
+temporaries are live at a time. Measured on 2 CPU cores (B 16, S 256, 8/4 heads, forward and
+backward): 0.41-0.47 of the time of the same tiles written out at trace time, whose
+independent rows XLA runs side by side, and a third of their compile time.
 
 A sequence that the block size does not divide is padded at the end: under the causal mask no
 real query sees a padded key (padded rows are dropped); for full (non-causal) tiles, used by
@@ -40,8 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 
 NEG = float(jnp.finfo(jnp.float32).min)
-UNROLL_MAX_BLOCKS = 16  # beyond this many blocks per sequence, the looped driver
-DRIVERS = ("auto", "unrolled", "looped")
 
 # (running max, denominator, numerator): [.., C], [.., C], [.., C, Dh], fp32
 State = tuple[jax.Array, jax.Array, jax.Array]
@@ -67,14 +66,6 @@ class Blocks:
     def pad(self) -> int:
         """Positions added at the end."""
         return self.n * self.c - self.s
-
-    def driver(self, driver: str) -> str:
-        """Resolve ``auto`` by the number of blocks."""
-        if driver not in DRIVERS:
-            raise ValueError(f"attention driver {driver!r}: must be one of {DRIVERS}")
-        if driver == "auto":
-            return "unrolled" if self.n <= UNROLL_MAX_BLOCKS else "looped"
-        return driver
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,8 +184,8 @@ def _masks(bl: Blocks, causal: bool):
 
 
 def _plan(i, bl: Blocks, causal: bool):
-    """Row ``i`` visits key blocks ``0..hi-1`` unmasked, then ``last`` under ``mask``
-    (``last`` None: no masked block). ``i`` may be traced (looped driver)."""
+    """Row ``i`` (traced) visits key blocks ``0..hi-1`` unmasked, then ``last`` under
+    ``mask`` (``last`` None: no masked block)."""
     if causal:
         return i, i, _masks(bl, True)
     if bl.pad:
@@ -206,7 +197,7 @@ def _take(tree, i):
     return jax.tree.map(lambda x: x[i], tree)
 
 
-def forward(qb, kb, vb, bl: Blocks, causal: bool, state: State | None = None, driver="auto"):
+def forward(qb, kb, vb, bl: Blocks, causal: bool, state: State | None = None) -> State:
     """Fold key/value blocks ``kb``/``vb`` into every query row of ``qb``; returns the state.
 
     ``causal``: key block j is visible to query block i iff j ≤ i (the diagonal masked);
@@ -214,23 +205,13 @@ def forward(qb, kb, vb, bl: Blocks, causal: bool, state: State | None = None, dr
     """
     state = init_state(qb) if state is None else state
     ktb = _t(kb, q=False)  # kᵀ blocks [N, B, K, Dh, C], once per call
-    if bl.driver(driver) == "unrolled":
-        rows = []
-        for i in range(bl.n):
-            hi, last, mask = _plan(i, bl, causal)
-            st = _take(state, i)
-            for j in range(hi):
-                st = fold(st, qb[i], ktb[j], vb[j], None)
-            if last is not None:
-                st = fold(st, qb[i], ktb[last], vb[last], mask)
-            rows.append(st)
-        return jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
 
     def row(i, carry):
         hi, last, mask = _plan(i, bl, causal)
         q_i = qb[i]
-        st = _take(carry, i)
-        st = jax.lax.fori_loop(0, hi, lambda j, s: fold(s, q_i, ktb[j], vb[j], None), st)
+        st = jax.lax.fori_loop(
+            0, hi, lambda j, s: fold(s, q_i, ktb[j], vb[j], None), _take(carry, i)
+        )
         if last is not None:
             st = fold(st, q_i, ktb[last], vb[last], mask)
         return jax.tree.map(lambda c, x: c.at[i].set(x), carry, st)
@@ -238,44 +219,28 @@ def forward(qb, kb, vb, bl: Blocks, causal: bool, state: State | None = None, dr
     return jax.lax.fori_loop(0, bl.n, row, state)
 
 
-def backward(qb, kb, vb, dob, lse, delta, bl: Blocks, causal: bool, driver="auto"):
+def backward(qb, kb, vb, dob, lse, delta, bl: Blocks, causal: bool):
     """Gradients ``(dq, dk, dv)`` (fp32, block layout) of the tiles :func:`forward` visits,
     against the *final* log-sum-exp ``lse`` and ``delta = rowsum(dO ∘ O)`` of the rows."""
     zeros = partial(jnp.zeros_like, dtype=jnp.float32)  # varying as its argument (shard_map)
     qtb, ktb, dotb = _t(qb, q=True), _t(kb, q=False), _t(dob, q=True)  # once per call
-    dqt0 = zeros(qtb[0])  # one row's dqᵀ [B, K, Dh, G, C]
-    if bl.driver(driver) == "unrolled":
-        dq = [dqt0 for _ in range(bl.n)]
-        dk = [zeros(kb[0]) for _ in range(bl.n)]
-        dv = [zeros(vb[0]) for _ in range(bl.n)]
-        for i in range(bl.n):
-            hi, last, mask = _plan(i, bl, causal)
-            tiles = [(j, None) for j in range(hi)] + ([(last, mask)] if last is not None else [])
-            for j, m in tiles:
-                g = tile_grads(
-                    qb[i], qtb[i], kb[j], ktb[j], vb[j], dob[i], dotb[i], lse[i], delta[i], m
-                )
-                dq[i], dk[j], dv[j] = dq[i] + g[0], dk[j] + g[1], dv[j] + g[2]
-        dqt, dk, dv = jnp.stack(dq), jnp.stack(dk), jnp.stack(dv)
-    else:
 
-        def row(i, carry):
-            dqt, dk, dv = carry
-            hi, last, mask = _plan(i, bl, causal)
-            q_i, qt_i, do_i, dot_i = qb[i], qtb[i], dob[i], dotb[i]
+    def row(i, carry):
+        dqt, dk, dv = carry
+        hi, last, mask = _plan(i, bl, causal)
+        q_i, qt_i, do_i, dot_i = qb[i], qtb[i], dob[i], dotb[i]
 
-            def tile(j, c, m=None):
-                dq_i, dk, dv = c
-                g = tile_grads(q_i, qt_i, kb[j], ktb[j], vb[j], do_i, dot_i, lse[i], delta[i], m)
-                return dq_i + g[0], dk.at[j].add(g[1]), dv.at[j].add(g[2])
+        def tile(j, c, m=None):
+            dqt_i, dk, dv = c
+            g = tile_grads(q_i, qt_i, kb[j], ktb[j], vb[j], do_i, dot_i, lse[i], delta[i], m)
+            return dqt_i + g[0], dk.at[j].add(g[1]), dv.at[j].add(g[2])
 
-            c = jax.lax.fori_loop(0, hi, tile, (dqt0, dk, dv))
-            if last is not None:
-                c = tile(last, c, mask)
-            return dqt.at[i].set(c[0]), c[1], c[2]
+        c = jax.lax.fori_loop(0, hi, tile, (zeros(qt_i), dk, dv))
+        if last is not None:
+            c = tile(last, c, mask)
+        return dqt.at[i].set(c[0]), c[1], c[2]
 
-        init = (jnp.stack([dqt0] * bl.n), zeros(kb), zeros(vb))
-        dqt, dk, dv = jax.lax.fori_loop(0, bl.n, row, init)
+    dqt, dk, dv = jax.lax.fori_loop(0, bl.n, row, (zeros(qtb), zeros(kb), zeros(vb)))
     return jnp.moveaxis(dqt, -3, -1), dk, dv  # dq back to [N, B, K, G, C, Dh]
 
 
@@ -283,33 +248,29 @@ def backward(qb, kb, vb, dob, lse, delta, bl: Blocks, causal: bool, driver="auto
 # The causal core
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
 def blockwise_attention(
-    q_BxSxHxDh: jax.Array,
-    k_BxSxKxDh: jax.Array,
-    v_BxSxKxDh: jax.Array,
-    block: int = 64,
-    driver: str = "auto",
+    q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, block: int = 64
 ) -> jax.Array:
     """Causal grouped-query attention (H = K·G) in blocks of ``block`` positions."""
-    return _fwd(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh, block, driver)[0]
+    return _fwd(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh, block)[0]
 
 
-def _fwd(q, k, v, block, driver):
+def _fwd(q, k, v, block):
     bl = Blocks.of(q.shape[1], block)
     qb, kb, vb = q_blocks(q, k.shape[2], bl), kv_blocks(k, bl), kv_blocks(v, bl)
-    ob, lse = finish(forward(qb, kb, vb, bl, True, driver=driver))
+    ob, lse = finish(forward(qb, kb, vb, bl, True))
     ob = ob.astype(q.dtype)
     return q_unblocks(ob, bl.s), (qb, kb, vb, ob, lse)
 
 
-def _bwd(block, driver, res, do_BxSxHxDh):
+def _bwd(block, res, do_BxSxHxDh):
     qb, kb, vb, ob, lse = res
     s = do_BxSxHxDh.shape[1]
     bl = Blocks.of(s, block)
     dob = q_blocks(do_BxSxHxDh, kb.shape[2], bl)
     delta = jnp.sum(dob.astype(jnp.float32) * ob.astype(jnp.float32), axis=-1)
-    dq, dk, dv = backward(qb, kb, vb, dob, lse, delta, bl, True, driver)
+    dq, dk, dv = backward(qb, kb, vb, dob, lse, delta, bl, True)
     return (
         q_unblocks(dq, s).astype(qb.dtype),
         kv_unblocks(dk, s).astype(kb.dtype),

@@ -223,18 +223,18 @@ class Model:
 
     def loop_unroll(self, n_layers: int, wrapped: bool) -> int | None:
         """How :meth:`blocks` loops over ``n_layers`` layers: ``None`` for straight-line code
-        (``layer_unroll`` 0, no wrap), else the ``lax.scan`` unroll factor.
+        (``layer_unroll`` 0), else the ``lax.scan`` unroll factor.
 
-        Straight-line layers keep each layer's residuals as separate buffers; a scan writes
-        them into ``[L, ...]`` stacks in the forward and reads them back in the backward (on
-        CPU a large share of a small model's step). A wrapped body (remat, ZeRO-3 gathers)
-        stays in a scan (fully unrolled for 0): outside a loop XLA may merge the backward's
+        Unrolled layers keep each layer's residuals as separate buffers; a rolled scan writes
+        them into ``[L, ...]`` stacks in the forward and reads them back in the backward. A
+        wrapped body (remat, ZeRO-3 gathers) always runs in a rolled scan: in straight-line
+        code (which a scan unrolled to its length also becomes) XLA may merge the backward's
         recomputation with the forward and keep what the wrap meant to drop.
         """
         u = self.cfg.layer_unroll
-        if u == 0 and not wrapped:
-            return None
-        return min(u or n_layers, n_layers)
+        if wrapped:
+            return 1
+        return None if u == 0 else min(u, n_layers)
 
     def logits(self, params: Params, x_BxSxD: jax.Array) -> jax.Array:
         """Final norm and vocabulary projection, fp32 ``[B, S, V]``."""

@@ -20,6 +20,7 @@ from jaxpar.data import Batches, load_corpus
 from jaxpar.devices import make_mesh
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.metrics import MetricsLog, Progress, device_memory
+from jaxpar.model.attention import implementation_for
 from jaxpar.profiling import StepProfiler
 from jaxpar.train.guard import (
     StopRequest,
@@ -84,6 +85,7 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         hf.check(t.init_from_hf, cfg.model)  # names a mismatching tensor before compiling
     tb = TensorBoard(t.tensorboard_dir) if t.tensorboard_dir else None
     devices = _devices_for(cfg, devices)
+    attention = implementation_for(cfg, devices[0])  # refuses e.g. cudnn on CPU, before compiling
     mesh = make_mesh(cfg.layout, devices)
     trainer = Trainer(cfg, mesh)
 
@@ -102,7 +104,8 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
             state = trainer.init_state(t.seed)
             if t.init_from_hf:
                 state["params"] = hf.load(t.init_from_hf, cfg.model, trainer.param_shardings)
-        return _train(cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices)
+        out = _train(cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices)
+        return {**out, "attention": attention}
 
 
 def _train(
