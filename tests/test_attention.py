@@ -251,3 +251,27 @@ def test_bad_sizes_refused(field, value):
     setattr(cfg.model, field, value)
     with pytest.raises(ConfigError, match=rf"model.{field}={value}: must be a positive integer"):
         C.validate(cfg, cfg.layout.n_devices)
+
+
+def test_gpu_check_dry_mode_runs_on_cpu():
+    """scripts/gpu_check.sh --dry: the bench and both loss checks run (CPU, tiny sizes) and
+    report what a GPU run would, as one JSON line."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh"), "--dry"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0 and got["ok"], (got, out.stderr[-2000:])
+    bench = got["bench"]
+    assert bench["attention"] == "blockwise" and bench["tokens_per_s"] > 0
+    assert 0 < bench["mfu"] < 1 and bench["memory_per_device_bytes"] > 0
+    for dtype in ("float32", "bfloat16"):
+        check = got["loss_check"][dtype]
+        assert len(check["losses"]) == 2 and check["max_rel_diff"] < check["tolerance"]
