@@ -18,10 +18,14 @@ Integrity, in two layers:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
+import re
 import shutil
+import sys
 import time
 import warnings
 import zlib
@@ -33,7 +37,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxpar.config import MODEL_SHAPE_FIELDS, ModelConfig
-from jaxpar.errors import CheckpointError
+from jaxpar.errors import CheckpointError, JaxparWarning
 
 MANIFEST = "jaxpar_manifest.json"
 QUARANTINE = "quarantine"
@@ -42,8 +46,60 @@ QUARANTINE = "quarantine"
 SAVE_DELAY_ENV = "JAXPAR_TEST_SAVE_DELAY_S"
 
 
-class CheckpointWarning(UserWarning):
+class CheckpointWarning(JaxparWarning):
     """A checkpoint was skipped because it is incomplete or corrupted."""
+
+
+@contextlib.contextmanager
+def _held_logs():
+    """Hold orbax's log records (absl) back while a save runs: re-emitted when it succeeds,
+    dropped when it fails, because the one-line :class:`CheckpointError` then says what failed
+    (a full disk otherwise prints each failed write's traceback)."""
+    held: list[logging.LogRecord] = []
+    log = logging.getLogger("absl")
+
+    class Hold(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            held.append(record)
+            return False
+
+    hold = Hold()
+    log.addFilter(hold)
+    try:
+        yield
+    except BaseException:
+        held.clear()
+        raise
+    finally:
+        log.removeFilter(hold)
+        for record in held:
+            log.handle(record)
+
+
+def _quiet_closed_loops() -> None:
+    """Drop one kind of unraisable exception: ``RuntimeError('Event loop is closed')``, raised
+    when tensorstore completes a write future after orbax closed the event loop that awaited
+    it (after a failed save, about 30 of them). Anything else reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "jaxpar_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.jaxpar_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _io_reason(e: BaseException) -> str:
+    """The OS-level reason inside an orbax/tensorstore error, else its first line."""
+    code = re.search(r"os_error_code='(\d+)'", str(e))
+    if code:
+        return os.strerror(int(code.group(1)))
+    return (getattr(e, "strerror", None) or str(e) or type(e).__name__).splitlines()[0]
 
 
 def _crc(path: Path) -> int:
@@ -116,6 +172,7 @@ class Checkpointer:
         self.every = every
         self.writable = writable
         where = f"checkpoint_dir={str(self.directory)!r}"
+        _quiet_closed_loops()
         if writable:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -206,15 +263,16 @@ class Checkpointer:
             raise CheckpointError(f"step {step}: refusing to checkpoint a non-finite state")
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         try:
-            saved = bool(self._mgr.save(step, args=args, force=force))
-            self._mgr.wait_until_finished()
-            if saved and jax.process_index() == 0:
-                if delay := float(os.environ.get(SAVE_DELAY_ENV, "0") or 0):
-                    time.sleep(delay)
-                write_manifest(self._step_dir(step))
+            with _held_logs():
+                saved = bool(self._mgr.save(step, args=args, force=force))
+                self._mgr.wait_until_finished()
+                if saved and jax.process_index() == 0:
+                    if delay := float(os.environ.get(SAVE_DELAY_ENV, "0") or 0):
+                        time.sleep(delay)
+                    write_manifest(self._step_dir(step))
         except Exception as e:  # orbax and tensorstore wrap I/O errors in various types
             self._discard(step)
-            msg = (getattr(e, "strerror", None) or str(e) or type(e).__name__).splitlines()[0]
+            msg = _io_reason(e)
             raise CheckpointError(
                 f"checkpoint_dir={str(self.directory)!r}: saving step {step} failed: {msg}; "
                 f"earlier checkpoints are untouched (complete: {self.steps()})"

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from jaxpar import typed
 from jaxpar.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +33,8 @@ OFFLOAD = ("none", "optimizer", "params")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "blockwise", "dense", "cudnn")
 ON_NONFINITE = ("skip", "stop")
+PLATFORMS = ("cpu", "gpu", "tpu")
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # token files (.bin)
 
 
 @dataclass
@@ -54,9 +58,7 @@ class ModelConfig:
     # How the model runs (no effect on parameter shapes; README "Attention and the layer loop").
     attention: str = "auto"  # auto | blockwise | dense | cudnn (jaxpar.model.attention)
     attention_block: int = 64  # query/key positions per tile of the blockwise kernel
-    layer_unroll: int = (
-        1  # layer loop: 1 = lax.scan, k = scan unrolled by k, 0 = no loop (unwrapped layers)
-    )
+    layer_unroll: int = 1  # layer loop: 1 = lax.scan, k = unrolled by k, 0 = no loop
     loss_chunk: int = 1024  # sequence positions per cross-entropy chunk ([B, chunk, V] logits)
 
     @property
@@ -82,9 +84,14 @@ class HardwareConfig:
     device_memory_bytes: float = 16e9
     peak_flops_bf16: float = 1e12
     intra_node_bw: float = 50e9  # bytes/s per device, one direction (NVLink)
-    inter_node_bw: float = 12.5e9  # bytes/s per device, one direction (InfiniBand)
     devices_per_node: int = 8
+    nics_per_node: int = 8  # network adapters a node's devices share for inter-node traffic
+    nic_bw: float = 12.5e9  # bytes/s per adapter, one direction (InfiniBand/RoCE)
+    hbm_bw: float = 1.0e11  # device memory bandwidth, bytes/s (memory-bound work)
     host_to_device_bw: float = 25e9  # bytes/s (PCIe) for offload
+    # Sustained share of peak_flops_bf16 of a matmul whose smallest dimension is `size`:
+    # [[size, share], ...] ascending (jaxpar bench --calibrate measures it).
+    matmul_efficiency: list[list[float]] = field(default_factory=list)
     xla_flags: list[str] = field(default_factory=list)  # applied before JAX initialises
 
 
@@ -146,7 +153,8 @@ class TrainConfig:
     b2: float = 0.95
     grad_clip: float = 1.0
     data: str = "stdlib"  # "stdlib" (embedded corpus), "synthetic", or a path to a .bin token file
-    data_dtype: str = "uint16"  # token dtype of .bin files
+    data_dtype: str = "uint16"  # token dtype of a .bin file without a sidecar
+    eval_data: str | None = None  # held-out .bin (default: the sidecar's validation file)
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 1
@@ -157,6 +165,11 @@ class TrainConfig:
     resume_or_start: bool = False  # resume if a complete checkpoint exists, else start fresh
     metrics_file: str | None = None
     on_nonfinite: str = "stop"
+    # Divergence budget (see jaxpar.train.guard.Divergence): steps counted as diverged that a
+    # ``skip`` run tolerates before it stops with exit 3; a finite loss above
+    # divergence_factor x the run's first loss counts too (0 disables that rule).
+    max_skipped_steps: int = 3
+    divergence_factor: float = 2.0
     progress: bool = True
     profile_steps: str | None = None  # "A:B": jax.profiler trace of steps A..B (from 1)
     profile_dir: str | None = None  # where the trace goes (default ./jaxpar_profile)
@@ -186,20 +199,24 @@ class RunConfig:
 
 
 def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Build dataclass ``cls`` from ``data``, refusing unknown fields with a suggestion."""
+    """Build dataclass ``cls`` from ``data``: unknown fields refused with a suggestion, every
+    value checked against its declared type."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
     known = {f.name: f for f in fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in known:
-            hint = difflib.get_close_matches(key, known, n=1)
+            hint = difflib.get_close_matches(str(key), known, n=1)
             extra = f" (did you mean '{hint[0]}'?)" if hint else ""
             raise ConfigError(
                 f"{where}.{key}: unknown field{extra}; known fields: {', '.join(known)}"
             )
         sub = _nested_type(known[key])
-        kwargs[key] = _from_dict(sub, value, f"{where}.{key}") if sub else value
+        where_key = f"{where}.{key}"
+        kwargs[key] = (
+            _from_dict(sub, value, where_key) if sub else typed.check(where_key, value, known[key])
+        )
     return cls(**kwargs)
 
 
@@ -211,23 +228,32 @@ def _nested_type(f: dataclasses.Field) -> type | None:
 
 def _resolve(name_or_path: str, directory: Path, kind: str) -> Path:
     p = Path(name_or_path)
+    if not name_or_path or "\0" in name_or_path:
+        raise ConfigError(f"--{kind} {name_or_path!r}: not a name or a path")
     if p.suffix in (".yaml", ".yml") or os.sep in name_or_path:
         if not p.exists():
             raise ConfigError(f"--{kind} {name_or_path!r}: file does not exist")
+        if not p.is_file():
+            raise ConfigError(f"--{kind} {name_or_path!r}: not a file")
         return p
     candidate = directory / f"{name_or_path}.yaml"
-    if not candidate.exists():
+    if not candidate.is_file():
         names = sorted(x.stem for x in directory.glob("*.yaml"))
         raise ConfigError(f"--{kind} {name_or_path!r}: unknown {kind}; known: {', '.join(names)}")
     return candidate
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    data = typed.read_yaml(path)
+    if data is None:
+        return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a YAML mapping at the top level")
     return data
+
+
+# Fields a model file must set: a shape is never silently the default one.
+MODEL_REQUIRED = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
 
 
 def load_model(name_or_path: str) -> ModelConfig:
@@ -235,7 +261,14 @@ def load_model(name_or_path: str) -> ModelConfig:
     path = _resolve(name_or_path, MODELS_DIR, "model")
     data = _read_yaml(path)
     data.setdefault("name", path.stem)
-    return _from_dict(ModelConfig, data, "model")
+    cfg = _from_dict(ModelConfig, data, "model")
+    missing = [k for k in MODEL_REQUIRED if k not in data]
+    if missing:
+        raise ConfigError(
+            f"{path}: model.{missing[0]}: not set; a model file must set "
+            f"{', '.join(MODEL_REQUIRED)}" + (" (the file is empty)" if len(data) == 1 else "")
+        )
+    return cfg
 
 
 def load_mesh(name_or_path: str) -> MeshConfig:
@@ -243,6 +276,8 @@ def load_mesh(name_or_path: str) -> MeshConfig:
     path = _resolve(name_or_path, MESHES_DIR, "mesh")
     data = _read_yaml(path)
     data.setdefault("name", path.stem)
+    if "devices" not in data:
+        raise ConfigError(f"{path}: mesh.devices: not set; a mesh file must set its device count")
     return _from_dict(MeshConfig, data, "mesh")
 
 
@@ -257,33 +292,12 @@ def load(model: str = "tiny", mesh: str = "cpu-8") -> RunConfig:
     return RunConfig(model=load_model(model), mesh=mesh_cfg, train=train)
 
 
-def _coerce(value: str, current: Any, where: str) -> Any:
-    if isinstance(current, bool):
-        low = value.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where}={value!r}: expected a boolean (true/false)")
-    if isinstance(current, int):
-        try:
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"{where}={value!r}: expected an integer") from None
-    if isinstance(current, float):
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{where}={value!r}: expected a number") from None
-    if current is None and value.lower() in ("none", "null"):
-        return None
-    if isinstance(current, list):
-        return [v for v in value.split(",") if v]
-    return value
-
-
 def override(cfg: RunConfig, dotted: str, value: Any) -> None:
-    """Set ``cfg.<dotted>`` (e.g. ``train.lr`` or ``layout.tp``) from a string or value."""
+    """Set ``cfg.<dotted>`` (e.g. ``train.lr`` or ``layout.tp``) from a string or value.
+
+    A string is parsed by the field's declared type; any other value is checked against it.
+    Only leaf fields can be set (``-o train=5`` names the section and is refused).
+    """
     parts = dotted.split(".")
     if parts[0] == "layout":
         parts = ["mesh", "layout", *parts[1:]]
@@ -291,15 +305,26 @@ def override(cfg: RunConfig, dotted: str, value: Any) -> None:
         parts = ["mesh", "hardware", *parts[1:]]
     obj: Any = cfg
     for i, part in enumerate(parts):
-        names = [f.name for f in fields(obj)]
-        if part not in names:
-            where = ".".join(parts[: i + 1])
-            hint = difflib.get_close_matches(part, names, n=1)
+        where = ".".join(parts[: i + 1])
+        if not dataclasses.is_dataclass(obj):
+            raise ConfigError(f"{where}: unknown field ({'.'.join(parts[:i])} is a value)")
+        known = {f.name: f for f in fields(obj)}
+        if part not in known:
+            hint = difflib.get_close_matches(part, known, n=1)
             extra = f" (did you mean '{hint[0]}'?)" if hint else ""
             raise ConfigError(f"{where}: unknown field{extra}")
         if i == len(parts) - 1:
-            cur = getattr(obj, part)
-            setattr(obj, part, _coerce(value, cur, dotted) if isinstance(value, str) else value)
+            f = known[part]
+            if _nested_type(f) or part in ("model", "mesh", "train") and obj is cfg:
+                sub = ", ".join(x.name for x in fields(getattr(obj, part)))
+                raise ConfigError(
+                    f"{dotted}={value!r}: {dotted} is a section, not a value; set one of its "
+                    f"fields ({dotted}.FIELD=VALUE: {sub})"
+                )
+            if part == "train" and obj is cfg.mesh:
+                raise ConfigError(f"{dotted}: set train fields directly (train.FIELD=VALUE)")
+            new = typed.from_text(value, f, dotted) if isinstance(value, str) else value
+            setattr(obj, part, typed.check(dotted, new, f))
         else:
             obj = getattr(obj, part)
 
@@ -314,9 +339,40 @@ MODEL_SHAPE_FIELDS = (
 )  # fmt: skip
 
 
+# Largest value of a count (exact in float64 and far beyond any run), and tighter bounds where
+# jaxpar or the planner enumerates a range of that size.
+MAX_COUNT = 2**40
+MAX_OF = {"mesh.devices": 2**20, "train.global_batch": 2**24, "train.seq_len": 2**24,
+          "model.max_seq_len": 2**24}  # fmt: skip
+MAX_SCHEDULE_ACTIONS = 2**18  # a pipeline schedule table of more takes minutes to build
+MAX_SEED = 2**32 - 1  # jax.random.key and numpy's SeedSequence both take uint32 seeds
+
+
 def _positive(where: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{where}={value!r}: must be a positive integer")
+    if value > MAX_OF.get(where, MAX_COUNT):
+        raise ConfigError(f"{where}={value}: must be at most {MAX_OF.get(where, MAX_COUNT)}")
+
+
+def _at_least_0(where: str, value: Any, note: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value > MAX_COUNT:
+        raise ConfigError(f"{where}={value!r}: must be an integer in 0..{MAX_COUNT}{note}")
+
+
+def _number(where: str, value: Any, lo: float, hi: float = math.inf, lo_open=True, hi_open=True):
+    """A finite number in the interval (open or closed at each end)."""
+    ok = typed.finite(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    if not ok:
+        left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+        rule = (
+            "a positive finite number"
+            if (lo, lo_open, hi) == (0, True, math.inf)
+            else (f"a finite number in {left}{lo:g}, {hi:g}{right}")
+        )
+        raise ConfigError(f"{where}={value!r}: must be {rule}")
 
 
 def _one_of(where: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -324,23 +380,47 @@ def _one_of(where: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{where}={value!r}: must be one of {', '.join(allowed)}")
 
 
-def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
-    """Refuse a bad configuration with one line naming the field, value and rule.
+def _path(where: str, value: Any) -> None:
+    if value is not None and (not value or "\0" in value):
+        raise ConfigError(f"{where}={value!r}: must be a non-empty path")
 
-    ``n_devices``, when given, is the number of devices the run will use; the layout must
-    multiply to it exactly.
-    """
-    m, lay, t = cfg.model, cfg.layout, cfg.train
-    for name in (
-        "n_layers",
-        "d_model",
-        "n_heads",
-        "n_kv_heads",
-        "d_ff",
-        "vocab_size",
-        "max_seq_len",
-    ):
+
+def check_types(obj: Any, where: str) -> None:
+    """Every field of the config dataclass ``obj`` (recursively) holds its declared type; an
+    int in a float field is widened in place."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        sub = _nested_type(f)
+        if sub is not None:
+            if not isinstance(value, sub):
+                raise ConfigError(f"{where}.{f.name}: expected a mapping of {sub.__name__} fields")
+            check_types(value, f"{where}.{f.name}")
+        else:
+            setattr(obj, f.name, typed.check(f"{where}.{f.name}", value, f))
+
+
+def check_values(cfg: RunConfig) -> None:
+    """Types and per-field rules of the model, the hardware and the training settings (not
+    the layout: :func:`validate` checks it against the model and the device count)."""
+    for part, name in ((cfg.model, "model"), (cfg.mesh, "mesh"), (cfg.train, "train")):
+        if not dataclasses.is_dataclass(part):
+            raise ConfigError(f"{name}={part!r}: expected a mapping of fields")
+        check_types(part, name)
+    _check_model(cfg.model)
+    _check_hardware(cfg.mesh)
+    _check_train(cfg.train)
+
+
+def _check_model(m: ModelConfig) -> None:
+    if not m.name:
+        raise ConfigError("model.name='': must be a non-empty name")
+    for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
+                 "max_seq_len"):  # fmt: skip
         _positive(f"model.{name}", getattr(m, name))
+    if m.head_dim is not None:
+        _positive("model.head_dim", m.head_dim)
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        _number(f"model.{name}", getattr(m, name), 0)
     _one_of("model.mlp", m.mlp, ("swiglu", "gelu"))
     _one_of("model.attention", m.attention, ATTENTION)
     for name in ("attention_block", "loss_chunk"):
@@ -358,6 +438,86 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     if m.hd % 2:
         raise ConfigError(f"model.head_dim={m.hd}: must be even for rotary embeddings")
 
+
+def _check_hardware(mesh: MeshConfig) -> None:
+    _positive("mesh.devices", mesh.devices)
+    hw = mesh.hardware
+    _one_of("hardware.platform", hw.platform, PLATFORMS)
+    for name in ("device_memory_bytes", "peak_flops_bf16", "intra_node_bw", "nic_bw", "hbm_bw",
+                 "host_to_device_bw"):  # fmt: skip
+        _number(f"hardware.{name}", getattr(hw, name), 0)
+    _positive("hardware.devices_per_node", hw.devices_per_node)
+    _positive("hardware.nics_per_node", hw.nics_per_node)
+    for flag in hw.xla_flags:
+        # XLA aborts the process on a malformed or unknown flag; refuse what cannot be one
+        if not re.fullmatch(r"--[A-Za-z0-9_]+(=\S*)?", flag):
+            raise ConfigError(f"hardware.xla_flags: {flag!r}: expected --name or --name=value")
+
+
+def _check_train(t: TrainConfig) -> None:
+    for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every",
+                 "checkpoint_every", "keep_checkpoints"):  # fmt: skip
+        _positive(f"train.{name}", getattr(t, name))
+    for name, note in (("warmup_steps", ""), ("eval_every", " (0: only at the end)"),
+                       ("inject_nonfinite_step", " (0 disables)"),
+                       ("max_skipped_steps", " (0: stop at the first)")):  # fmt: skip
+        _at_least_0(f"train.{name}", getattr(t, name), note)
+    if not 0 <= t.seed <= MAX_SEED:
+        raise ConfigError(f"train.seed={t.seed}: must be an integer in 0..{MAX_SEED}")
+    _number("train.lr", t.lr, 0)
+    _number("train.min_lr_ratio", t.min_lr_ratio, 0, 1, lo_open=False, hi_open=False)
+    _number("train.weight_decay", t.weight_decay, 0, lo_open=False)
+    for name in ("b1", "b2"):
+        _number(f"train.{name}", getattr(t, name), 0, 1, lo_open=False)
+    _number("train.grad_clip", t.grad_clip, 0)
+    if t.divergence_factor != 0:
+        _number("train.divergence_factor", t.divergence_factor, 1)
+    _one_of("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
+    _one_of("train.data_dtype", t.data_dtype, TOKEN_DTYPES)
+    for name in ("checkpoint_dir", "metrics_file", "profile_dir", "init_from_hf", "export_hf",
+                 "tensorboard_dir"):  # fmt: skip
+        _path(f"train.{name}", getattr(t, name))
+    if not t.data or "\0" in t.data:
+        raise ConfigError(f"train.data={t.data!r}: must be 'stdlib', 'synthetic' or a path")
+    from jaxpar.profiling import parse_steps
+
+    parse_steps(t.profile_steps, t.steps)
+
+
+def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
+    """Refuse a bad configuration with one line naming the field, value and rule.
+
+    ``n_devices``, when given, is the number of devices the run will use; the layout must
+    multiply to it exactly.
+    """
+    check_values(cfg)
+    m, lay, t = cfg.model, cfg.layout, cfg.train
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
+        )
+    check_layout(m, lay, t.global_batch, t.seq_len, n_devices)
+    if t.data not in ("stdlib", "synthetic") and not Path(t.data).exists():
+        raise ConfigError(
+            f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
+            "or a path to a .bin file)"
+        )
+    if t.eval_data is not None and not Path(t.eval_data).is_file():
+        raise ConfigError(f"train.eval_data={t.eval_data!r}: token file does not exist")
+
+
+def check_layout(
+    m: ModelConfig,
+    lay: LayoutConfig,
+    global_batch: int,
+    seq_len: int,
+    n_devices: int | None = None,
+) -> None:
+    """The layout rules of :func:`validate` (raises :class:`ConfigError`): axis sizes, ZeRO,
+    heads and layers against tp/sp/pp, the batch and sequence against the data and sequence
+    shards, and the schedule. The planner draws its candidates through this same predicate."""
+    _positive("train.global_batch", global_batch)
+    _positive("train.seq_len", seq_len)
     for a in AXES:
         _positive(f"layout.{a}", getattr(lay, a))
     if n_devices is not None and lay.n_devices != n_devices:
@@ -369,11 +529,7 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     _positive("layout.virtual", lay.virtual)
     if lay.zero not in (0, 1, 2, 3):
         raise ConfigError(f"layout.zero={lay.zero!r}: ZeRO stage must be 0, 1, 2 or 3")
-    if (
-        not isinstance(lay.dp_shard, int)
-        or lay.dp_shard < 0
-        or (lay.dp_shard and lay.dp % lay.dp_shard)
-    ):
+    if lay.dp_shard < 0 or (lay.dp_shard and lay.dp % lay.dp_shard):
         raise ConfigError(
             f"layout.dp_shard={lay.dp_shard!r}: must be 0 (shard over all of dp) or divide "
             f"layout.dp={lay.dp}"
@@ -394,54 +550,23 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             f"model.n_layers={m.n_layers}: must be divisible by pp*virtual="
             f"{lay.pp}*{lay.virtual}={lay.pp * lay.virtual}"
         )
-
-    if lay.pp > 1:
-        _check_pipeline(lay)
-
-    for name in (
-        "steps",
-        "global_batch",
-        "seq_len",
-        "eval_batches",
-        "log_every",
-        "checkpoint_every",
-        "keep_checkpoints",
-    ):
-        _positive(f"train.{name}", getattr(t, name))
-    if t.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps={t.warmup_steps}: must be >= 0")
-    if t.inject_nonfinite_step < 0:
+    if global_batch % lay.dp:
         raise ConfigError(
-            f"train.inject_nonfinite_step={t.inject_nonfinite_step}: must be >= 0 (0 disables)"
+            f"train.global_batch={global_batch}: must be divisible by layout.dp={lay.dp}"
         )
-    if t.eval_every < 0:
-        raise ConfigError(f"train.eval_every={t.eval_every}: must be >= 0 (0 disables)")
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(
-            f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
-        )
-    if t.global_batch % lay.dp:
-        raise ConfigError(
-            f"train.global_batch={t.global_batch}: must be divisible by layout.dp={lay.dp}"
-        )
-    per_dp = t.global_batch // lay.dp
+    per_dp = global_batch // lay.dp
     if per_dp % lay.microbatches:
         raise ConfigError(
             f"layout.microbatches={lay.microbatches}: must divide the per-dp-rank batch "
             f"global_batch/dp={per_dp}"
         )
-    if t.seq_len % (lay.sp * lay.tp if lay.sequence_parallel else lay.sp):
+    if seq_len % (lay.sp * lay.tp if lay.sequence_parallel else lay.sp):
         div = lay.sp * lay.tp if lay.sequence_parallel else lay.sp
         raise ConfigError(
-            f"train.seq_len={t.seq_len}: must be divisible by the sequence shards ({div})"
+            f"train.seq_len={seq_len}: must be divisible by the sequence shards ({div})"
         )
-    _one_of("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
-    _one_of("train.data_dtype", t.data_dtype, ("uint16", "uint32"))
-    if t.data not in ("stdlib", "synthetic") and not Path(t.data).exists():
-        raise ConfigError(
-            f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
-            "or a path to a .bin file)"
-        )
+    if lay.pp > 1:  # after the batch rules: micro-batches are bounded by the batch now
+        _check_pipeline(lay)
 
 
 def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
@@ -458,24 +583,34 @@ def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
     # jaxpar.model.attention.kv_repeat picks the smallest repeat that does.
 
 
-def _check_pipeline(lay: LayoutConfig) -> None:
-    """Schedule arguments via the schedule library's own rules (``make_schedule``)."""
+@functools.lru_cache(maxsize=4096)
+def _schedule_refusal(kind: str, p: int, m: int, v: int) -> str | None:
+    """Why the schedule library refuses (kind, p, m, v), else None (memoised: the planner asks
+    for the same few hundred schedules while it searches)."""
     from jaxpar.pipeline.schedules import make_schedule
 
     try:
-        make_schedule(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+        make_schedule(kind, p, m, v)
     except ConfigError as e:
-        raise ConfigError(f"layout.{e} (pp={lay.pp})") from None
-    # Combinations the pipeline executor has not been verified with are refused, not ignored.
+        return str(e)
+    return None
+
+
+def _check_pipeline(lay: LayoutConfig) -> None:
+    """Schedule arguments via the schedule library's own rules (``make_schedule``)."""
+    err = _schedule_refusal(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+    if err:
+        raise ConfigError(f"layout.{err} (pp={lay.pp})")
+    # Combinations the pipeline executor does not run correctly are refused, not ignored.
     if lay.remat == "offload":
         raise ConfigError(
-            "layout.remat='offload': not supported with pp > 1 (use full or selective)"
+            "layout.remat='offload': not supported with pp > 1 (the stash slots live in device "
+            "memory; use full or selective)"
         )
-    if lay.sp > 1:
-        raise ConfigError(f"layout.sp={lay.sp}: sequence parallelism not yet supported with pp > 1")
-    if lay.offload != "none" or lay.dp_shard:
+    if lay.sp > 1 and lay.sp_mode == "ring":
         raise ConfigError(
-            f"layout.offload={lay.offload!r}/dp_shard={lay.dp_shard}: not yet supported with pp > 1"
+            f"layout.sp_mode='ring' (sp={lay.sp}): not yet supported with pp > 1 (use "
+            "--sp-mode ulysses)"
         )
 
 

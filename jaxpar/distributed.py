@@ -82,38 +82,42 @@ def process_config(
         env.get("JAXPAR_INIT_TIMEOUT"), "JAXPAR_INIT_TIMEOUT"
     )
     timeout = timeout or DEFAULT_TIMEOUT_S
+    # Each setting on its own: a flag, else its JAXPAR_* variable (so a flag given under
+    # ``jaxpar launch``, which sets the variables, is checked against the others).
+    picked = {}
+    for key, flag, value, var in (
+        ("coord", "--coordinator", coordinator, "JAXPAR_COORDINATOR"),
+        ("n", "--num-processes", num_processes, "JAXPAR_NUM_PROCESSES"),
+        ("pid", "--process-id", process_id, "JAXPAR_PROCESS_ID"),
+    ):
+        if value is not None:
+            picked[key] = (value, flag)
+        else:
+            raw = env.get(var)
+            picked[key] = (raw if key == "coord" else _int(raw, var), var)
+    (coord, coord_name), (n, n_name), (pid, pid_name) = picked["coord"], picked["n"], picked["pid"]
     explicit = any(v is not None for v in (coordinator, num_processes, process_id))
     source = "flags" if explicit else "env"
-    coord = coordinator if explicit else env.get("JAXPAR_COORDINATOR")
-    n = num_processes if explicit else _int(env.get("JAXPAR_NUM_PROCESSES"), "JAXPAR_NUM_PROCESSES")
-    pid = process_id if explicit else _int(env.get("JAXPAR_PROCESS_ID"), "JAXPAR_PROCESS_ID")
     local = local_devices or _int(env.get("JAXPAR_LOCAL_DEVICES"), "JAXPAR_LOCAL_DEVICES")
-    if not explicit and coord is None and n is None and pid is None:
+    if coord is None and n is None and pid is None:
         slurm_n = _int(env.get("SLURM_NTASKS"), "SLURM_NTASKS")
         if slurm_n is None or slurm_n <= 1:
             return None
         n, pid, source = slurm_n, _int(env.get("SLURM_PROCID"), "SLURM_PROCID"), "slurm"
+        n_name, pid_name = "SLURM_NTASKS", "SLURM_PROCID"
         if pid is None:
             raise ConfigError("SLURM_PROCID: not set although SLURM_NTASKS > 1")
-    name = {
-        "flags": {"n": "--num-processes", "pid": "--process-id", "coord": "--coordinator"},
-        "env": {
-            "n": "JAXPAR_NUM_PROCESSES",
-            "pid": "JAXPAR_PROCESS_ID",
-            "coord": "JAXPAR_COORDINATOR",
-        },
-        "slurm": {"n": "SLURM_NTASKS", "pid": "SLURM_PROCID", "coord": ""},
-    }[source]
     if n is None or n < 1:
-        raise ConfigError(f"{name['n']}={n!r}: must be a positive integer (number of processes)")
+        raise ConfigError(f"{n_name}={n!r}: must be a positive integer (number of processes)")
     if pid is None:
-        raise ConfigError(f"{name['pid']}: not set (this process's id, 0..{n - 1})")
+        raise ConfigError(f"{pid_name}: not set (this process's id, 0..{n - 1})")
     if not 0 <= pid < n:
-        raise ConfigError(f"{name['pid']}={pid}: must be in 0..{n - 1} (num_processes={n})")
+        of = "num_processes" if n_name == "--num-processes" else n_name
+        raise ConfigError(f"{pid_name}={pid}: must be in 0..{n - 1} ({of}={n})")
     if source != "slurm":
         if coord is None:
-            raise ConfigError(f"{name['coord']}: not set (HOST:PORT of process 0)")
-        _check_address(coord, name["coord"])
+            raise ConfigError(f"{coord_name}: not set (HOST:PORT of process 0)")
+        _check_address(coord, coord_name)
     if local is not None and local < 1:
         raise ConfigError(f"JAXPAR_LOCAL_DEVICES={local}: must be a positive integer")
     return ProcessConfig(coord, n, pid, local, source, timeout)
@@ -166,6 +170,19 @@ def initialize(pc: ProcessConfig, platform: str = "cpu") -> None:
         initialization_timeout=pc.timeout_s,
         cluster_detection_method="deactivate",
     )
+
+
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is true on any process (every process must call it; one small
+    all-gather). A single-process run answers ``flag`` without a collective."""
+    import jax
+
+    if jax.process_count() == 1:
+        return bool(flag)
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
 
 def free_port() -> int:

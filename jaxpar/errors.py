@@ -11,3 +11,12 @@ class ConfigError(JaxparError, ValueError):
 
 class CheckpointError(JaxparError):
     """A checkpoint cannot be written or restored safely."""
+
+
+class JaxparWarning(UserWarning):
+    """Base class of jaxpar's warnings (the command line prints each as one line)."""
+
+
+def one_line(text: object) -> str:
+    """``text`` on one line: embedded line breaks shown as ``\\n`` (a refusal is one line)."""
+    return str(text).replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\\n")

@@ -31,10 +31,12 @@ def test_quickstart_notebook_runs(monkeypatch):
     text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
     assert "CpuDevice(id=7)" in text  # 8 simulated devices
     assert "layers/attn/wq" in text and "'tp'" in text  # the sharding table
-    assert any(
-        "image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", [])
-    )  # the schedule and the loss plot
+    images = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+    assert images >= 3  # the schedules, the two layouts' losses, train/held-out on own text
     assert "max relative difference" in text
+    # Own text: prepared (train + held-out tokens), trained, sampled through the KV cache.
+    assert "held out (" in text and "'split': 'train'" in text and "'dtype': 'uint16'" in text
+    assert "new tokens; decode" in text and "--- 2:" in text
     # Re-initialising with another device count: the clear message, not a crash.
     assert "JAX is already initialised with 8 CPU devices" in text
     assert "restart the Python process or notebook kernel" in text

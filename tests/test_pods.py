@@ -186,15 +186,24 @@ def test_bad_profile_steps(spec):
     assert parse_steps("2:3", 5) == (2, 3) and parse_steps("4", 5) == (4, 4)
 
 
-def test_launch_reports_a_failing_child():
+def test_launch_reports_a_failing_child(tmp_path, capsys):
+    """A command every process would refuse is refused by the launcher, in one line, before
+    any process starts; a failure only the processes see (no checkpoint to resume) is
+    reported by each and stops the launch with its exit code."""
+    assert main(["launch", "--local", "2", "--", "train", "--steps", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "jaxpar launch: error: in the command (train ...): argument --steps: '0': must be a "
+        "positive integer"
+    ]
     cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--local", "2", "--timeout", "60"]
     proc = subprocess.run(
-        [*cmd, "--", "train", "--steps", "0"],
+        [*cmd, "--", "train", "--resume", "--checkpoint-dir", str(tmp_path / "none")],
         capture_output=True,
         text=True,
         timeout=90,
         env=_env(),
     )
     assert proc.returncode == 2
-    assert "train.steps=0: must be a positive integer" in proc.stderr
-    assert "[p1] jaxpar train: error: train.steps=0" in proc.stderr
+    assert "[p1] jaxpar train: error: train.resume=True: no complete checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr

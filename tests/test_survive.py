@@ -25,8 +25,10 @@ import pytest
 
 from jaxpar import checkpoint as ck
 from jaxpar.checkpoint import Checkpointer, CheckpointWarning
+from jaxpar.data import Batches
 from jaxpar.devices import make_mesh
 from jaxpar.errors import CheckpointError
+from jaxpar.train import load_data
 from jaxpar.train.loop import run
 from jaxpar.train.step import Trainer
 
@@ -72,9 +74,10 @@ def test_restore_onto_another_layout_continues_like_one_device(make_cfg, tmp_pat
 
 
 def test_nonfinite_skip_and_stop(make_cfg, tmp_path):
-    """An injected NaN gradient at step 2: ``skip`` keeps the old state and goes on (the
-    skipped step's checkpoint holds the step-1 params); ``stop`` writes a diagnostic naming the
-    leaf and never checkpoints past the last finite state. (Also: TensorBoard scalars.)"""
+    """An injected NaN gradient at step 2: ``skip`` keeps the old state and goes on (step 3's
+    loss is that of the step-1 params; the diverged step gets no periodic checkpoint, one
+    warning line); ``stop`` writes a diagnostic naming the leaf and never checkpoints past the
+    last finite state. (Also: TensorBoard scalars.)"""
     cfg = _ckpt_cfg(make_cfg, tmp_path / "skip", 3, 1, dp=2)
     cfg.train.inject_nonfinite_step = 2
     cfg.train.on_nonfinite = "skip"
@@ -82,14 +85,19 @@ def test_nonfinite_skip_and_stop(make_cfg, tmp_path):
     if tensorboard:
         cfg.train.tensorboard_dir = str(tmp_path / "tb")
     out = run(cfg, devices=jax.devices()[:2])
-    assert out["skipped_steps"] == 1 and out["stopped"] is None
+    assert out["skipped_steps"] == 1 and out["stopped"] is None and out["diverged_steps"] == 1
     assert np.isfinite(out["losses"][0]) and np.isfinite(out["losses"][2])
     recs = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
     bad = [r for r in recs if r.get("nonfinite")]
     assert [r["step"] for r in bad] == [2] and bad[0]["nonfinite_leaves"] == ["embed/table"]
-    p1, p2, p3 = (_params(tmp_path / "skip" / str(s)) for s in (1, 2, 3))
-    jax.tree.map(np.testing.assert_array_equal, p1, p2)  # the NaN update was not applied
-    assert not np.array_equal(p2["head"]["w_out"], p3["head"]["w_out"])
+    assert Checkpointer(tmp_path / "skip").steps() == [1, 3]
+    p1, p3 = (_params(tmp_path / "skip" / str(s)) for s in (1, 3))
+    # the NaN update was not applied: step 3 started from the step-1 params
+    tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[:2]))
+    batches = Batches(load_data(cfg), 16, 32, cfg.train.seed)
+    loss3 = float(tr.eval_loss(p1, batches.global_array(2, tr.batch_sharding)))
+    np.testing.assert_allclose(loss3, out["losses"][2], rtol=1e-5)
+    assert not np.array_equal(p1["head"]["w_out"], p3["head"]["w_out"])
     if tensorboard:
         (event,) = (tmp_path / "tb").glob("events.out.tfevents.*")
         assert b"train/loss" in event.read_bytes() and b"train/grad_norm" in event.read_bytes()
@@ -334,6 +342,9 @@ def test_sigkill_anywhere_then_resume_is_bitwise_identical(cli):
     assert len(starts) >= 4 and starts[0] == 0 and 0 < starts[-1] < STEPS, starts
     jax.tree.map(np.testing.assert_array_equal, _params(d / str(STEPS)), cli.ref_params)
     assert _losses(metrics) == cli.ref_losses
+    # each resume cut the records written after its checkpoint: every step once, in order
+    assert [r["step"] for r in _records(metrics) if "loss" in r] == list(range(1, STEPS + 1))
+    assert sum(r.get("dropped_records", 0) for r in _records(metrics)) > 0
 
 
 def test_sigterm_checkpoints_exits_0_and_resumes(cli):
@@ -354,3 +365,4 @@ def test_sigterm_checkpoints_exits_0_and_resumes(cli):
     assert p.wait(timeout=300) == 0, p.err_path.read_text()
     jax.tree.map(np.testing.assert_array_equal, _params(d / str(STEPS)), cli.ref_params)
     assert _losses(metrics) == cli.ref_losses
+    assert [r["step"] for r in _records(metrics) if "loss" in r] == list(range(1, STEPS + 1))

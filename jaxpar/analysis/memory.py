@@ -1,10 +1,11 @@
-"""Per-device memory and data-parallel traffic of a layout: theory next to the compiled program.
+"""Per-device memory and data-parallel traffic of a layout: prediction next to the compiled step.
 
-:func:`theory` gives the ZeRO paper's convention (mixed-precision Adam, 2 + 2 + 12 bytes per
-parameter) and what jaxpar itself stores (:func:`jaxpar.analysis.theory.stored_model_states`).
-:func:`measure` compiles the real train step and reads XLA's per-device memory analysis and the
-collectives of the optimized HLO. :func:`dp_comm_theory` states the data-parallel traffic a
-ZeRO stage should have in jaxpar's implementation (:mod:`jaxpar.train.zero`).
+:func:`theory` reports the ZeRO paper's convention (mixed-precision Adam, 2 + 2 + 12 bytes per
+parameter) beside what jaxpar's compiled step holds — the planner's one memory model,
+:func:`jaxpar.planner.memory.memory`, the function ``jaxpar plan`` calls too. :func:`measure`
+compiles the real train step and reads XLA's per-device memory analysis and the collectives of
+the optimized HLO. :func:`dp_comm_theory` is the planner's data-parallel traffic
+(:func:`jaxpar.planner.traffic.dp_traffic`).
 """
 
 from __future__ import annotations
@@ -22,18 +23,23 @@ def theory(
     seq: int = 2048,
     microbatch_size: int = 1,
 ) -> dict[str, Any]:
-    """Per-device bytes: ZeRO convention at the top level, jaxpar's storage under ``stored``.
+    """Per-device bytes: ZeRO convention at the top level, jaxpar's compiled step under
+    ``stored`` (and its whole breakdown under ``memory_breakdown_bytes``).
 
-    With only ``params`` (Ψ) the ZeRO figures use Ψ/(tp·pp) per device and no activations or
-    ``stored`` block can be computed (they need the model's shape).
+    With only ``params`` (Ψ) the ZeRO figures use Ψ/(tp·pp) per device and nothing else can be
+    computed (it needs the model's shape).
     """
+    from jaxpar.planner.memory import Shape, memory
+    from jaxpar.planner.shapes import param_counts, zero_shards
+
     if model is None and params is None:
         raise ValueError("theory needs a model or a parameter count")
-    psi = float(params if model is None else model.param_count())
-    nz = layout.dp_shard if 0 < layout.dp_shard < layout.dp else layout.dp
+    nz = zero_shards(layout)
     if model is not None:
-        psi_local = float(T.param_shard_count(model, layout)["local"])
+        pc = param_counts(model, layout)
+        psi, psi_local = float(pc.full), float(pc.local)
     else:
+        psi = float(params)
         psi_local = psi / (layout.tp * layout.pp)
     z = T.zero_model_states(psi_local, nz, layout.zero)
     out: dict[str, Any] = {
@@ -46,78 +52,34 @@ def theory(
         "optimizer_bytes": z["optimizer"],
         "activations_bytes": None,
         "stored": None,
+        "memory_per_device_bytes": None,
+        "memory_breakdown_bytes": None,
     }
-    if model is not None:
-        act = T.activation_bytes(
-            model, layout, seq, microbatch_size, bytes_per_value=T.DTYPE_BYTES[layout.compute_dtype]
-        )
-        out["activations_bytes"] = act
-        st = T.stored_model_states(model, layout)
-        out["stored"] = {
-            "model_states_bytes": st["total"],
-            "params_bytes": st["params"],
-            "grads_bytes": st["grads"],
-            "optimizer_bytes": st["optimizer"],
-            "activations_bytes": act,
-            "at_rest_bytes": st["params"] + st["optimizer"],
-        }
+    if model is None:
+        return out
+    batch = microbatch_size * layout.microbatches * layout.dp
+    mem = memory(model, layout, Shape(batch, seq))
+    out["activations_bytes"] = mem["activations"]
+    out["memory_per_device_bytes"] = mem["total"]
+    out["memory_breakdown_bytes"] = {k: v for k, v in mem.items() if k != "total"}
+    states = mem["params"] + mem["grads"] + mem["optimizer"]
+    out["stored"] = {
+        "model_states_bytes": states,
+        "params_bytes": mem["params"],
+        "grads_bytes": mem["grads"],
+        "optimizer_bytes": mem["optimizer"],
+        "activations_bytes": mem["activations"],
+        "at_rest_bytes": mem["params"] + mem["optimizer"] + mem["host"],
+    }
     return out
 
 
 def dp_comm_theory(cfg: RunConfig) -> dict[str, float]:
-    """Data-parallel traffic per device per step in jaxpar's ZeRO implementation, in bytes on
-    the wire (ring algorithms; ``ring`` = (N−1)/N made explicit).
+    """Data-parallel wire bytes per device per step of ``cfg``'s ZeRO stage
+    (:func:`jaxpar.planner.traffic.dp_traffic`: the stage's collectives and dtypes)."""
+    from jaxpar.planner.traffic import dp_traffic
 
-    Ψ = parameters per device after tp/pp, N = dp (ZeRO group), k = micro-batches, w = bytes
-    of the reduction dtype (grads) and of the parameter dtype (params):
-
-    * stage 0: all-reduce of the grads once per step: 2Ψ·ring;
-    * stage 1: reduce-scatter once + all-gather of the updated params: 2Ψ·ring;
-    * stage 2: reduce-scatter per micro-batch + all-gather: (k + 1)Ψ·ring (2Ψ at k = 1);
-    * stage 3: per micro-batch, all-gather in forward and again in backward (remat) and a
-      reduce-scatter: 3kΨ·ring — less the second gather of the embedding and head tensors,
-      listed as ``embedding_regather_saved``: the input embedding's backward needs no weights,
-      and the head's backward follows its forward in one computation, where XLA reuses the
-      forward's gather (measured on jax 0.10.2, CPU).
-
-    Hybrid sharding adds an all-reduce of the shard across the dp/dp_shard groups.
-    """
-    from jaxpar.analysis.theory import DTYPE_BYTES, param_shard_count
-
-    lay, m = cfg.layout, cfg.model
-    c = param_shard_count(m, lay)
-    psi = float(c["local"])
-    n = c["zero_shards"] if lay.zero else lay.dp  # DDP: one all-reduce over all of dp
-    k = lay.microbatches
-    ring = (n - 1) / n
-    wr, wp = DTYPE_BYTES[lay.reduce_dtype], DTYPE_BYTES[lay.param_dtype]
-    wc = DTYPE_BYTES[lay.compute_dtype]
-    saved = 0.0
-    if lay.zero == 0:
-        grads, params = 2 * psi * ring * wr, 0.0
-    elif lay.zero in (1, 2):
-        reduces = 1 if lay.zero == 1 else k
-        grads, params = reduces * psi * ring * wr, psi * ring * wp
-    else:
-        t = c["tensors"]
-        embed = float(sum(t[x]["local"] for x in ("embed", "head", "final_norm") if x in t))
-        grads = k * psi * ring * wr
-        params = 2 * k * psi * ring * wc
-        saved = k * embed * ring * wc
-    groups = lay.dp // n
-    across = 0.0
-    if groups > 1:  # hybrid: all-reduce of each gradient shard over the replica groups
-        across = 2 * (psi / n) * (groups - 1) / groups * wr
-    return {
-        "psi": psi,
-        "n": n,
-        "ring_factor": ring,
-        "grad_bytes": grads,
-        "param_bytes": params - saved,
-        "embedding_regather_saved": saved,
-        "across_groups_bytes": across,
-        "total_bytes": grads + params - saved + across,
-    }
+    return dp_traffic(cfg.model, cfg.layout)
 
 
 def dp_axes_of(mesh: Any) -> set[str]:

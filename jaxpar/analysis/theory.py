@@ -1,6 +1,11 @@
-"""Closed-form per-device costs: model states, activations, communication, FLOPs, bubble.
+"""Closed forms from the literature: ZeRO's model states, Korthikanti's activations, Megatron,
+Ulysses and ring traffic per layer, FLOPs per token, the pipeline bubble.
 
-Pure Python (no JAX). Notation: Ψ parameters, N (or ``n``) data-parallel size, t tensor-parallel
+Pure Python (no JAX). These are the papers' figures, kept to check against (tests reproduce the
+published tables). What jaxpar's own program holds and sends — per tensor as the trainer shards
+it, per remat policy as its block saves residuals, per ZeRO stage as its gradient path reduces —
+is :mod:`jaxpar.planner` (shapes, memory, traffic, cost), which reuses the per-layer traffic
+formulas below. Notation: Ψ parameters, N (or ``n``) data-parallel size, t tensor-parallel
 size, p pipeline stages, m micro-batches, v virtual stages per rank, P sequence-parallel size,
 s sequence length, b micro-batch size, h hidden size, a attention heads, l layers.
 Sources:
@@ -18,14 +23,12 @@ Sources:
 from __future__ import annotations
 
 import math
-from typing import Any
 
-from jaxpar.config import LayoutConfig, ModelConfig
+from jaxpar.config import ModelConfig
 
 GB = 1e9  # the ZeRO paper's GB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAM_K = 12  # ZeRO's K: fp32 master params, Adam m and v (4 + 4 + 4 bytes per parameter)
-OPT_SCALAR_BYTES = 8  # optax Adam step count + schedule count (int32 each) in jaxpar's state
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,88 +53,6 @@ def zero_model_states(psi: float, n: int, stage: int, k: float = ADAM_K) -> dict
 def _check_stage(stage: int) -> None:
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero stage={stage!r}: must be 0, 1, 2 or 3")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def param_shard_count(model: ModelConfig, layout: LayoutConfig) -> dict[str, Any]:
-    """Exact parameter counts one device holds under ``layout`` (the most loaded device).
-
-    Per tensor (stacked over layers where the model stacks them):
-
-    * layer tensors hold ``n_layers / pp`` layers (ceil);
-    * attention q and o, and every MLP matrix, are split over ``tp`` (ceil);
-    * k and v projections are split over ``tp`` when ``n_kv_heads % tp == 0``, else replicated;
-    * embedding and head are vocab-sharded over ``tp`` (ceil); they, and the final norm, are
-      assumed held by every pp rank (an upper bound if only the first/last stage holds them);
-    * norms are replicated.
-
-    ZeRO shards over ``dp`` (or the ``dp_shard`` group under hybrid sharding) per tensor with
-    ceil division (``ceil(local / N)``, the padded shard size). Returns ``tensors`` (name →
-    ``{"full", "local", "sharded"}``), ``local`` (after tp/pp), ``params``/``grads``/
-    ``optimizer`` (per-device element counts each state holds: params sharded at stage 3, grads
-    at ≥ 2, each optimizer moment at ≥ 1) and ``zero_shards`` (N).
-    """
-    tp, pp, stage = layout.tp, layout.pp, layout.zero
-    _check_stage(stage)
-    nz = layout.dp_shard or layout.dp
-    d, hd, layers = model.d_model, model.hd, _cdiv(model.n_layers, pp)
-    kv_split = tp if model.n_kv_heads % tp == 0 else 1
-    n_mlp = 3 if model.mlp == "swiglu" else 2
-    # (full count, local count after tp/pp)
-    shapes = {
-        "wq": (model.n_layers * d * model.n_heads * hd, layers * d * _cdiv(model.n_heads, tp) * hd),
-        "wkv": (
-            model.n_layers * 2 * d * model.n_kv_heads * hd,
-            layers * 2 * d * _cdiv(model.n_kv_heads, kv_split) * hd,
-        ),
-        "wo": (model.n_layers * model.n_heads * hd * d, layers * _cdiv(model.n_heads, tp) * hd * d),
-        "mlp": (
-            model.n_layers * n_mlp * d * model.d_ff,
-            layers * n_mlp * d * _cdiv(model.d_ff, tp),
-        ),
-        "layer_norms": (model.n_layers * 2 * d, layers * 2 * d),
-        "embed": (model.vocab_size * d, _cdiv(model.vocab_size, tp) * d),
-        "final_norm": (d, d),
-    }
-    if not model.tied_embeddings:
-        shapes["head"] = shapes["embed"]
-    tensors = {
-        k: {"full": f, "local": loc, "sharded": _cdiv(loc, nz)} for k, (f, loc) in shapes.items()
-    }
-    local = sum(t["local"] for t in tensors.values())
-    sharded = sum(t["sharded"] for t in tensors.values())
-    return {
-        "tensors": tensors,
-        "full": sum(t["full"] for t in tensors.values()),
-        "local": local,
-        "params": sharded if stage >= 3 else local,
-        "grads": sharded if stage >= 2 else local,
-        "optimizer": sharded if stage >= 1 else local,
-        "zero_shards": nz,
-    }
-
-
-def stored_model_states(model: ModelConfig, layout: LayoutConfig) -> dict[str, float]:
-    """Model-state bytes per device as jaxpar stores them ("stored" convention).
-
-    jaxpar keeps params and grads in ``layout.param_dtype`` (fp32 by default, cast to the
-    compute dtype per use) and optax Adam's m and v in the param dtype: 4Ψ + 4Ψ + 8Ψ = 16Ψ in
-    fp32, plus :data:`OPT_SCALAR_BYTES`. Ψ per state is :func:`param_shard_count`'s figure, so
-    tp/pp/ZeRO sharding is exact per tensor. With one micro-batch XLA may not materialise the
-    grads separately; this is what the program *holds* at rest, not XLA's temporaries.
-    """
-    c = param_shard_count(model, layout)
-    w = DTYPE_BYTES[layout.param_dtype]
-    out = {
-        "params": w * c["params"],
-        "grads": w * c["grads"],
-        "optimizer": 2 * w * c["optimizer"] + OPT_SCALAR_BYTES,
-    }
-    out["total"] = sum(out.values())
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,59 +96,6 @@ def activation_bytes_per_layer(
     return sbh * base / cp * bytes_per_value / 2
 
 
-def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Micro-batches whose activations the first pipeline rank holds at peak, in units of its
-    own layers (L/p). GPipe m; 1F1B min(p, m); interleaved p + (p−1)/v (Korthikanti §4.2.3:
-    L·(1 + (p−1)/(p·v)) layers' worth). p = 1: one micro-batch at a time. Other schedules:
-    take the peak from the schedule library.
-    """
-    if p == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(p, m))
-    if schedule == "interleaved":
-        return p + (p - 1) / v
-    raise ValueError(
-        f"schedule={schedule!r}: no closed form here; pass in_flight from the "
-        "schedule library's peak in-flight statistic"
-    )
-
-
-def activation_bytes(
-    model: ModelConfig,
-    layout: LayoutConfig,
-    seq_len: int,
-    micro_batch: int,
-    in_flight: float | None = None,
-    bytes_per_value: int = 2,
-    flash: bool = False,
-) -> float:
-    """Peak activation bytes on the first pipeline rank: per-layer bytes × layers per stage ×
-    in-flight micro-batches (:func:`in_flight_microbatches` unless ``in_flight`` is given).
-    ``micro_batch`` is per dp rank; h = d_model. Embedding and loss activations are not
-    included, and the paper's 34 assumes a 4h GELU MLP (approximate for SwiGLU shapes).
-    """
-    per = activation_bytes_per_layer(
-        seq_len,
-        micro_batch,
-        model.d_model,
-        model.n_heads,
-        layout.tp,
-        layout.sequence_parallel,
-        layout.remat,
-        layout.sp,
-        flash,
-        bytes_per_value,
-    )
-    if in_flight is None:
-        in_flight = in_flight_microbatches(
-            layout.schedule, layout.pp, layout.microbatches, layout.virtual
-        )
-    return per * (model.n_layers / layout.pp) * in_flight
-
-
 # --------------------------------------------------------------------------------------------
 # Communication (elements unless named *_bytes; per device)
 
@@ -235,22 +103,6 @@ def activation_bytes(
 def ring_factor(n: int) -> float:
     """(n−1)/n: the share of a buffer each device sends in a ring all-gather/reduce-scatter."""
     return (n - 1) / n
-
-
-def dp_comm_elements(psi: float, n: int, stage: int) -> float:
-    """Gradient/parameter traffic per device per step over ``dp`` (ZeRO §7).
-
-    Stages 0–2: one all-reduce of the grads = reduce-scatter + all-gather → 2Ψ·(N−1)/N.
-    Stage 3: all-gather params in forward, again in backward, reduce-scatter grads
-    → 3Ψ·(N−1)/N (1.5×). The paper's 2Ψ / 3Ψ drop the ring factor (N → ∞).
-    """
-    _check_stage(stage)
-    return (3 if stage == 3 else 2) * psi * ring_factor(n)
-
-
-def dp_comm_bytes(psi: float, n: int, stage: int, dtype_bytes: int = 2) -> float:
-    """:func:`dp_comm_elements` in bytes for a ``dtype_bytes`` reduction dtype."""
-    return dp_comm_elements(psi, n, stage) * dtype_bytes
 
 
 def tp_comm_elements_per_layer(

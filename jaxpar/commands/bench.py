@@ -23,8 +23,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     train_arguments(p)
     p.set_defaults(steps=None)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-    p.add_argument("--profile", default=None, metavar="DIR", help="write a jax.profiler trace")
+    from jaxpar.commands import _checks as K
+
+    p.add_argument("--warmup", type=K.nonneg_int, default=2, help="untimed steps after compiling")
+    p.add_argument("--profile", type=K.writable_dir, default=None, metavar="DIR",
+                   help="write a jax.profiler trace")  # fmt: skip
+    p.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="MESH_YAML",
+        help="measure the matmul efficiency curve of this machine's device and write "
+        "it into MESH_YAML (a copy of --mesh when it does not exist); no step is run",
+    )
+    p.add_argument(
+        "--calibrate-max-size",
+        type=K.positive_int,
+        default=None,
+        help="largest matmul dimension to time (default 2048 on CPU, 16384 on GPU)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,10 +52,16 @@ def run(args: argparse.Namespace) -> int:
     from jaxpar.report import emit_json
 
     cfg = build_config(args)
+    if args.calibrate:
+        return _calibrate(args, cfg, emit_json)
     if args.steps is None:
         cfg.train.steps = 10
     if args.warmup < 0:
         raise ConfigError(f"--warmup {args.warmup}: must be >= 0")
+    if args.dry_run:  # validate and estimate memory; nothing compiled (jaxpar train --dry-run)
+        from jaxpar.commands.train import dry_run
+
+        return dry_run(cfg, args, "bench")
     C.validate(cfg, n_devices=cfg.mesh.devices)
     if cfg.mesh.hardware.platform == "cpu":
         simulate_cpu_devices(cfg.mesh.devices)
@@ -59,12 +81,59 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace, cfg, emit_json) -> int:
+    """``--calibrate``: time matmuls, write the curve into the mesh file, report it."""
+    import shutil
+    from pathlib import Path
+
+    from jaxpar import config as C
+    from jaxpar.errors import ConfigError
+    from jaxpar.planner.calibrate import measure_curve
+    from jaxpar.planner.hardware import write_curve
+
+    out = Path(args.calibrate)
+    if not out.exists():
+        shutil.copyfile(C._resolve(args.mesh, C.MESHES_DIR, "mesh"), out)
+    gpu = cfg.mesh.hardware.platform == "gpu"
+    max_size = args.calibrate_max_size or (16384 if gpu else 2048)
+    if max_size < 32:
+        raise ConfigError(f"--calibrate-max-size {max_size}: must be >= 32")
+    dtype = cfg.layout.compute_dtype if gpu else "float32"
+    res = measure_curve(cfg.mesh.hardware, dtype, max_size, 8192 if gpu else 1024)
+    write_curve(out, res["curve"])
+    res["mesh_file"] = str(out)
+    if args.json:
+        emit_json(res)
+    else:
+        print(f"matmul efficiency of {res['device']} ({dtype}) written to {out}:")
+        for (g, share), pt in zip(res["curve"], res["points"], strict=True):
+            print(f"  size {g:>6}: {pt['flops_per_s'] / 1e9:10.1f} GFLOP/s = {share:.1%} of peak")
+        if res["clipped"]:
+            print(f"  ! sizes {res['clipped']} beat hardware.peak_flops_bf16: kept at 100%")
+    return 0
+
+
+def predicted(cfg) -> dict:
+    """The planner's memory and step time for ``cfg`` (jaxpar's own executor)."""
+    from jaxpar.planner.memory import Shape
+    from jaxpar.planner.search import evaluate
+
+    shape = Shape(cfg.train.global_batch, cfg.train.seq_len)
+    try:
+        c = evaluate(cfg.model, cfg.mesh.hardware, cfg.layout, shape)
+    except Exception as e:  # noqa: BLE001  (a mesh without a curve: the bench still runs)
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"memory_per_device_bytes": c.memory["total"], "step_time_s": c.step_time,
+            "step_time_terms_s": dict(c.cost.terms)}  # fmt: skip
+
+
 def bench(cfg, devices=None, warmup: int = 2, profile: str | None = None) -> dict:
     """Time ``cfg``'s step on ``devices`` (default: all JAX devices). Returns the JSON summary:
     ``compile_s``, ``step_time_s`` (median), ``step_times_s``, ``tokens_per_s``,
     ``tflops_per_device``, ``mfu``, ``memory_per_device_bytes`` (XLA's compiled total, or the
     allocator's peak where the platform reports one: ``memory_source``), ``compiled_memory``,
-    ``collective_bytes`` (per device per step) and ``collectives`` (by kind and axes)."""
+    ``collective_bytes`` (per device per step), ``collectives`` (by kind and axes) and
+    ``predicted`` (the planner's memory and step time for the same layout)."""
     import statistics
     import time
 
@@ -136,5 +205,6 @@ def bench(cfg, devices=None, warmup: int = 2, profile: str | None = None) -> dic
         "collective_bytes": coll.total.bytes,
         "collectives": coll.to_dict(),
         "final_loss": float(metrics["loss"]),
+        "predicted": predicted(cfg),
         "profile_dir": profile,
     }  # fmt: skip

@@ -8,19 +8,32 @@ process). It is the local stand-in for a pod: the same code path as SLURM on GPU
 
 Process 0's standard output is passed through unchanged (so ``--json`` still ends stdout with the
 run's JSON); everything else goes to standard error prefixed ``[pI]``. When any child fails, the
-others are stopped; a run longer than ``--timeout`` seconds is stopped as a whole (exit 124).
+others are killed; a run longer than ``--timeout`` seconds is stopped as a whole (exit 124).
+
+Before starting anything the command is parsed and, for ``train``/``bench``, its configuration
+validated here, so a bad flag is one line from the launcher rather than one per process; the
+flags ``jaxpar launch`` sets itself (``--coordinator``, ``--num-processes``, ``--process-id``)
+are refused in the command. A SIGTERM or SIGINT to the launcher is passed on to every process
+as SIGTERM: they agree on a step, checkpoint it and exit 0 (see
+:class:`jaxpar.train.guard.StopRequest`), and the launcher waits for them (a second signal
+kills them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from jaxpar.commands import _checks as K
 from jaxpar.errors import ConfigError
 
 HELP = "start N jaxpar processes on this machine as one multi-process run (CPU, gloo)"
@@ -28,17 +41,24 @@ HELP = "start N jaxpar processes on this machine as one multi-process run (CPU, 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``jaxpar launch``."""
-    p.add_argument("--local", type=int, required=True, metavar="N", help="processes to start")
+    p.add_argument(
+        "--local", type=K.positive_int, required=True, metavar="N", help="processes to start"
+    )
     p.add_argument(
         "--devices-per-process",
-        type=int,
+        type=K.positive_int,
         default=None,
         metavar="M",
         help="simulated CPU devices per process (default: the mesh's devices / N)",
     )
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before all are stopped")
     p.add_argument(
-        "--init-timeout", type=int, default=60, help="seconds to wait for the coordinator"
+        "--timeout", type=K.positive_float, default=3600.0, help="seconds before all are stopped"
+    )
+    p.add_argument(
+        "--init-timeout",
+        type=K.positive_int,
+        default=60,
+        help="seconds to wait for the coordinator",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- VERB [ARGS...], e.g. -- train")
 
@@ -50,17 +70,92 @@ def _pump(stream, sink, prefix: str) -> None:
     stream.close()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _kill(procs: list[subprocess.Popen]) -> None:
+    # SIGTERM would ask for an agreed checkpoint, which processes whose peer is gone cannot
+    # reach (they would wait in a collective): stop them outright.
     for p in procs:
         if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
             p.kill()
-            p.wait()
+    for p in procs:
+        p.wait()
+
+
+class _Forward:
+    """While installed: the first SIGTERM/SIGINT to the launcher becomes a SIGTERM to every
+    child (an agreed, checkpointed stop); a second one kills them."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs, self.count, self._previous = procs, 0, {}
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.count == 1:
+            print(f"jaxpar launch: {name}: asking every process to checkpoint and stop",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            for p in self.procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+        else:
+            print(f"jaxpar launch: {name} again: killing every process", file=sys.stderr)
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+SET_BY_LAUNCH = ("--coordinator", "--num-processes", "--process-id")
+
+
+def check_command(n: int, argv: list[str], devices_per_process: int | None) -> None:
+    """Refuse, in one line, a command that every process would refuse: parse it with jaxpar's
+    own parser and validate a ``train``/``bench`` configuration (no JAX is started)."""
+    from jaxpar.cli import build_parser
+
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if name in SET_BY_LAUNCH:
+            raise ConfigError(
+                f"-- {argv[0]} ... {name}: set by jaxpar launch for each process "
+                f"(0..{n - 1}); remove it from the command"
+            )
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+            args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        if e.code == 0:  # --help: nothing to run
+            raise ConfigError(f"-- {shlex.join(argv)}: asks for help, not a run") from None
+        why = said.getvalue().strip().split(": error: ", 1)[-1]
+        raise ConfigError(f"in the command ({shlex.join(argv[:1])} ...): {why}") from None
+    if args.verb == "launch":
+        raise ConfigError("-- launch: a launch cannot start launches")
+    if args.verb in ("train", "bench"):
+        from jaxpar import config as C
+        from jaxpar.commands.train import build_config
+
+        cfg = build_config(args)
+        C.validate(cfg, n_devices=cfg.mesh.devices)
+        have = n * devices_per_process if devices_per_process else cfg.mesh.devices
+        if have != cfg.mesh.devices:
+            raise ConfigError(
+                f"--local {n} x --devices-per-process {devices_per_process} = {have} devices: "
+                f"must equal mesh.devices={cfg.mesh.devices}"
+            )
+        if cfg.mesh.devices % n:
+            raise ConfigError(
+                f"mesh.devices={cfg.mesh.devices}: must be divisible by --local {n} "
+                "(each process simulates devices/processes CPU devices)"
+            )
 
 
 def launch_local(
@@ -80,6 +175,7 @@ def launch_local(
         raise ConfigError(f"--devices-per-process={devices_per_process}: must be positive")
     if not argv:
         raise ConfigError("launch: no command; e.g. jaxpar launch --local 2 -- train --steps 5")
+    check_command(n, argv, devices_per_process)
     base = dict(os.environ if env is None else env)
     root = str(Path(__file__).resolve().parents[2])
     base["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH")) if p)
@@ -93,51 +189,52 @@ def launch_local(
         base["JAXPAR_LOCAL_DEVICES"] = str(devices_per_process)
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    forward = _Forward(procs)
     try:
-        for i in range(n):
-            child_env = dict(base, JAXPAR_PROCESS_ID=str(i))
-            p = subprocess.Popen(
-                [sys.executable, "-m", "jaxpar.cli", *argv],
-                env=child_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                bufsize=1,
-            )
-            procs.append(p)
-            out_sink, out_prefix = (sys.stdout, "") if i == 0 else (sys.stderr, f"[p{i}] ")
-            for stream, sink, prefix in (
-                (p.stdout, out_sink, out_prefix),
-                (p.stderr, sys.stderr, f"[p{i}] "),
-            ):
-                t = threading.Thread(target=_pump, args=(stream, sink, prefix), daemon=True)
-                t.start()
-                pumps.append(t)
-        deadline = time.monotonic() + timeout_s
-        rc = 0
-        while None in (codes := [p.poll() for p in procs]):  # poll every child each time
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                rc = failed[0]
-                print(
-                    f"jaxpar launch: a process exited with {rc}; stopping the others",
-                    file=sys.stderr,
+        with forward:
+            for i in range(n):
+                child_env = dict(base, JAXPAR_PROCESS_ID=str(i))
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "jaxpar.cli", *argv],
+                    env=child_env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    bufsize=1,
                 )
-                break
-            if time.monotonic() > deadline:
-                print(
-                    f"jaxpar launch: timed out after {timeout_s:g}s; stopping all", file=sys.stderr
-                )
-                rc = 124
-                break
-            time.sleep(0.1)
-        else:
-            rc = next((p.returncode for p in procs if p.returncode), 0)
+                procs.append(p)
+                out_sink, out_prefix = (sys.stdout, "") if i == 0 else (sys.stderr, f"[p{i}] ")
+                for stream, sink, prefix in (
+                    (p.stdout, out_sink, out_prefix),
+                    (p.stderr, sys.stderr, f"[p{i}] "),
+                ):
+                    t = threading.Thread(target=_pump, args=(stream, sink, prefix), daemon=True)
+                    t.start()
+                    pumps.append(t)
+            rc = _wait(procs, timeout_s, forward)
     finally:
-        _stop(procs)
+        _kill(procs)
         for t in pumps:
             t.join(timeout=5)
     return rc
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float, forward: _Forward) -> int:
+    """The first non-zero exit code (the others are then killed), 124 on timeout, else 0."""
+    deadline = time.monotonic() + timeout_s
+    while None in (codes := [p.poll() for p in procs]):  # poll every child each time
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed and not forward.count:
+            print(
+                f"jaxpar launch: a process exited with {failed[0]}; stopping the others",
+                file=sys.stderr,
+            )
+            return failed[0]
+        if time.monotonic() > deadline:
+            print(f"jaxpar launch: timed out after {timeout_s:g}s; stopping all", file=sys.stderr)
+            return 124
+        time.sleep(0.1)
+    return next((p.returncode for p in procs if p.returncode), 0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,10 +3,12 @@ program's figures and collectives.
 
 JSON keys (``--json``, one object last): ``model_states_bytes``, ``params_bytes``,
 ``grads_bytes``, ``optimizer_bytes`` (ZeRO paper's convention: mixed-precision Adam, 2 + 2 + 12
-bytes per parameter, over the ZeRO shards N), ``activations_bytes`` (Korthikanti et al.; null
-with ``--params``), ``params_count``, ``params_per_device`` (after tp/pp), ``zero_shards``,
-``stored`` (same keys plus ``at_rest_bytes`` = params + optimizer, for what jaxpar itself
-keeps: fp32 params, grads and Adam moments), and with ``--measure`` ``measured``: XLA's
+bytes per parameter, over the ZeRO shards N), ``params_count``, ``params_per_device`` (after
+tp/pp), ``zero_shards``; from the planner's memory model — the function ``jaxpar plan`` calls,
+so both give the same bytes for the same layout — ``memory_per_device_bytes`` and
+``memory_breakdown_bytes`` (``jaxpar plan``'s keys), ``activations_bytes`` and ``stored``
+(params, grads, optimizer, activations and ``at_rest_bytes`` = params + optimizer, as jaxpar
+holds them); all null with ``--params``. With ``--measure`` ``measured``: XLA's
 per-device ``argument``/``output``/``alias``/``temp``/``host_*``/``total`` bytes,
 ``state_bytes`` (arguments − the batch shard: model states at rest), ``comm`` (collectives per
 kind and mesh axes, bytes per device per step, ``dp_wire_bytes``) and ``comm_theory``.
@@ -23,18 +25,29 @@ HELP = "Per-device memory (ZeRO convention and jaxpar's storage); --measure comp
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``jaxpar memory``."""
+    from jaxpar.commands import _checks as K
+    from jaxpar.config import DTYPES, OFFLOAD, REMAT, SCHEDULES, SP_MODES
+
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="model name or YAML (default tiny)")
-    src.add_argument("--params", type=float, default=None, help="parameter count Ψ instead")
+    src.add_argument(
+        "--params", type=K.positive_float, default=None, help="parameter count Ψ instead"
+    )
     for axis in ("dp", "tp", "pp", "sp"):
-        parser.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size")
-    parser.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
-    parser.add_argument("--dp-shard", type=int, default=0, help="hybrid sharding group size")
-    parser.add_argument("--microbatch-size", type=int, default=1, help="per dp rank")
-    parser.add_argument("--microbatches", type=int, default=1, help="accumulation steps")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length")
-    parser.add_argument("--remat", default="none", help="none|full|selective|offload")
-    parser.add_argument("--compute-dtype", default="float32")
+        parser.add_argument(f"--{axis}", type=K.positive_int, default=1, help=f"{axis} size")
+    parser.add_argument("--zero", type=K.int_in(0, 3), default=0, help="ZeRO stage 0-3")
+    parser.add_argument("--dp-shard", type=K.nonneg_int, default=0, help="hybrid sharding group")
+    parser.add_argument("--microbatch-size", type=K.positive_int, default=1, help="per dp rank")
+    parser.add_argument("--microbatches", type=K.positive_int, default=1, help="accumulation")
+    parser.add_argument("--seq", type=K.positive_int, default=None, help="sequence length")
+    parser.add_argument("--remat", default="none", choices=REMAT, help="recompute policy")
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pp > 1")
+    parser.add_argument("--virtual", type=K.positive_int, default=1, help="stages per pp rank")
+    parser.add_argument("--sp-mode", default="ulysses", choices=SP_MODES, help="sp > 1")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="Megatron sequence parallelism over tp")  # fmt: skip
+    parser.add_argument("--offload", default="none", choices=OFFLOAD, help="host offload")
+    parser.add_argument("--compute-dtype", default="float32", choices=DTYPES)
     parser.add_argument("--measure", action="store_true", help="compile on simulated devices")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
 
@@ -47,6 +60,8 @@ def _config(args: argparse.Namespace):
     lay.dp, lay.tp, lay.pp, lay.sp = args.dp, args.tp, args.pp, args.sp
     lay.zero, lay.dp_shard, lay.remat = args.zero, args.dp_shard, args.remat
     lay.microbatches, lay.compute_dtype = args.microbatches, args.compute_dtype
+    lay.schedule, lay.virtual, lay.sp_mode = args.schedule, args.virtual, args.sp_mode
+    lay.sequence_parallel, lay.offload = args.sequence_parallel, args.offload
     cfg.train.seq_len = args.seq or min(cfg.model.max_seq_len, 128)
     cfg.train.global_batch = args.microbatch_size * args.microbatches * args.dp
     cfg.mesh.devices = lay.n_devices
@@ -88,11 +103,9 @@ def run(args: argparse.Namespace) -> int:
     print("ZeRO convention (2+2+12 bytes/param):")
     for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes"):
         print(f"  {k:<22} {out[k] / 1e9:10.3f} GB")
-    if out["activations_bytes"] is not None:
-        print(f"  {'activations_bytes':<22} {out['activations_bytes'] / 1e9:10.3f} GB")
-    if out["stored"]:
-        print("jaxpar stores:")
-        for k, v in out["stored"].items():
+    if out["memory_breakdown_bytes"]:
+        print(f"jaxpar's compiled step (planner): {human_bytes(out['memory_per_device_bytes'])}")
+        for k, v in out["memory_breakdown_bytes"].items():
             print(f"  {k:<22} {human_bytes(v):>12}")
     if "measured" in out:
         m = out["measured"]

@@ -28,9 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", required=True, help="model name (models/NAME.yaml) or YAML path")
     p.add_argument("--mesh", required=True, help="mesh name (meshes/NAME.yaml) or YAML path")
+    from jaxpar.commands import _checks as K
+
+    # --global-batch, --seq and --devices are checked as the fields they set (check_values)
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
-    p.add_argument("--top", type=int, default=3, help="alternatives to show")
+    p.add_argument("--top", type=K.nonneg_int, default=3, help="alternatives to show")
     p.add_argument("--devices", type=int, default=None, help="override the mesh's device count")
     for name in LAYOUT_FLAGS:
         _, typ, text = FLAGS[name]
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         C.override(cfg, "train.seq_len", args.seq)
     if args.devices is not None:
         C.override(cfg, "mesh.devices", args.devices)
+    C.check_values(cfg)  # model, hardware and batch figures, before any search
     given = [n for n in LAYOUT_FLAGS if getattr(args, n) is not None]
     if args.sequence_parallel:
         given.append("sequence_parallel")

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 
+from jaxpar.commands import _checks as K
+from jaxpar.config import MAX_SCHEDULE_ACTIONS
+from jaxpar.errors import ConfigError
 from jaxpar.pipeline.schedules import KINDS, make_schedule
 from jaxpar.pipeline.timing import stats
 from jaxpar.report import emit_json
@@ -22,21 +25,31 @@ HELP = "Show a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPip
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``jaxpar schedule``."""
     parser.add_argument("--kind", default="1f1b", help=f"one of {', '.join(KINDS)}")
-    parser.add_argument("--stages", type=int, default=4, help="pipeline ranks p")
-    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches m")
+    parser.add_argument("--stages", type=K.positive_int, default=4, help="pipeline ranks p")
+    parser.add_argument("--microbatches", type=K.positive_int, default=8, help="micro-batches m")
     parser.add_argument(
         "--virtual",
-        type=int,
+        type=K.positive_int,
         default=None,
         help="virtual stages per rank v (default 2 for interleaved/zbv/dualpipev, else 1)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
-    parser.add_argument("--plot", metavar="FILE.png", help="write a PNG timeline")
-    parser.add_argument("--max-ticks", type=int, default=None, help="truncate the ASCII table")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", type=K.image_file, help="write a PNG (or .pdf/.svg) timeline"
+    )
+    parser.add_argument(
+        "--max-ticks", type=K.positive_int, default=None, help="truncate the ASCII table"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Build, print and optionally plot the schedule; errors raise ConfigError (exit 2)."""
+    size = args.stages * args.microbatches * (args.virtual or 2)
+    if size > MAX_SCHEDULE_ACTIONS:
+        raise ConfigError(
+            f"--stages*--microbatches*--virtual={size}: at most {MAX_SCHEDULE_ACTIONS} (a "
+            "larger table takes minutes to build and cannot be read)"
+        )
     sched = make_schedule(args.kind, args.stages, args.microbatches, args.virtual)
     st = stats(sched)
     if args.plot:

@@ -4,33 +4,46 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from jaxpar.commands import _checks as K
 
 HELP = "train a model on a device mesh (defaults: tiny model on 8 simulated CPU devices)"
 
 # CLI flag -> dotted config field. Flags left unset keep the YAML/embedded value.
 FLAGS: dict[str, tuple[str, type, str]] = {
-    "steps": ("train.steps", int, "number of optimizer steps"),
-    "seed": ("train.seed", int, "seed of init and data order"),
-    "global_batch": ("train.global_batch", int, "sequences per step, all devices together"),
-    "seq_len": ("train.seq_len", int, "tokens per sequence"),
-    "lr": ("train.lr", float, "peak learning rate"),
+    "steps": ("train.steps", K.positive_int, "number of optimizer steps"),
+    "seed": ("train.seed", K.seed, "seed of init and data order"),
+    "global_batch": ("train.global_batch", K.positive_int, "sequences per step, all devices"),
+    "seq_len": ("train.seq_len", K.positive_int, "tokens per sequence"),
+    "lr": ("train.lr", K.positive_float, "peak learning rate"),
     "data": ("train.data", str, "'stdlib' (embedded corpus), 'synthetic', or a .bin token file"),
-    "checkpoint_dir": ("train.checkpoint_dir", str, "where orbax checkpoints go"),
-    "checkpoint_every": ("train.checkpoint_every", int, "steps between checkpoints"),
-    "keep_checkpoints": ("train.keep_checkpoints", int, "complete checkpoints to keep"),
+    "eval_data": (
+        "train.eval_data",
+        str,
+        "held-out .bin token file (default: the sidecar's validation file, else the last 5%%)",
+    ),
+    "data_dtype": ("train.data_dtype", str, "uint8 | uint16 | uint32: a .bin without sidecar"),
+    "checkpoint_dir": ("train.checkpoint_dir", str, "where orbax checkpoints go (one run at a "
+                       "time: locked by jaxpar.lock)"),
+    "checkpoint_every": ("train.checkpoint_every", K.positive_int, "steps between checkpoints"),
+    "keep_checkpoints": ("train.keep_checkpoints", K.positive_int, "complete checkpoints to keep"),
     "metrics_file": ("train.metrics_file", str, "JSONL metrics (appended)"),
     "tensorboard": ("train.tensorboard_dir", str, "also write TensorBoard scalars here"),
-    "eval_every": ("train.eval_every", int, "steps between held-out evaluations (0: end only)"),
+    "eval_every": ("train.eval_every", K.nonneg_int, "steps between held-out evaluations "
+                   "(0: end only)"),
     "on_nonfinite": ("train.on_nonfinite", str, "skip | stop on a non-finite loss/gradient"),
-    "devices": ("mesh.devices", int, "devices of the cluster (simulated on CPU)"),
-    "dp": ("layout.dp", int, "data-parallel size"),
-    "tp": ("layout.tp", int, "tensor-parallel size"),
-    "pp": ("layout.pp", int, "pipeline stages"),
-    "sp": ("layout.sp", int, "sequence/context-parallel size"),
-    "zero": ("layout.zero", int, "ZeRO stage 0-3"),
-    "microbatches": ("layout.microbatches", int, "micro-batches per step"),
+    "max_skipped_steps": ("train.max_skipped_steps", K.nonneg_int, "divergence budget: a "
+                          "skipping run stops (exit 3) when more steps diverged (default 3)"),
+    "devices": ("mesh.devices", K.positive_int, "devices of the cluster (simulated on CPU)"),
+    "dp": ("layout.dp", K.positive_int, "data-parallel size"),
+    "tp": ("layout.tp", K.positive_int, "tensor-parallel size"),
+    "pp": ("layout.pp", K.positive_int, "pipeline stages"),
+    "sp": ("layout.sp", K.positive_int, "sequence/context-parallel size"),
+    "zero": ("layout.zero", K.int_in(0, 3), "ZeRO stage 0-3"),
+    "microbatches": ("layout.microbatches", K.positive_int, "micro-batches per step"),
     "schedule": ("layout.schedule", str, "pipeline schedule"),
-    "virtual": ("layout.virtual", int, "virtual pipeline stages per rank"),
+    "virtual": ("layout.virtual", K.positive_int, "virtual pipeline stages per rank"),
     "sp_mode": ("layout.sp_mode", str, "ulysses | ring"),
     "remat": ("layout.remat", str, "none | full | selective | offload"),
     "offload": ("layout.offload", str, "none | optimizer | params"),
@@ -39,7 +52,7 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "profile_dir": ("train.profile_dir", str, "directory of the profiler trace"),
     "init_from_hf": ("train.init_from_hf", str, "start from a Hugging Face Llama directory"),
     "export_hf": ("train.export_hf", str, "write the final weights as a Hugging Face directory"),
-}
+}  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate, resolve the layout, print the planner's memory estimate and exit; "
+        "nothing is compiled",
+    )
+    p.add_argument(
         "-o",
         "--override",
         action="append",
@@ -77,8 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
     g = p.add_argument_group("multi-host (else JAXPAR_COORDINATOR/..., or SLURM variables)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address")
-    g.add_argument("--num-processes", type=int, default=None, help="processes in the run")
-    g.add_argument("--process-id", type=int, default=None, help="this process's id, 0..N-1")
+    g.add_argument("--num-processes", type=K.positive_int, default=None,
+                   help="processes in the run")  # fmt: skip
+    g.add_argument("--process-id", type=K.nonneg_int, default=None,
+                   help="this process's id, 0..N-1")  # fmt: skip
 
 
 def build_config(args: argparse.Namespace):
@@ -111,13 +132,98 @@ def build_config(args: argparse.Namespace):
     return cfg
 
 
+def memory_estimate(cfg) -> dict:
+    """The planner's per-device memory estimate for ``cfg``'s layout, as ``jaxpar plan`` costs
+    a given layout: ``per_device_bytes``, ``breakdown_bytes`` (params, grads, grad_accum,
+    optimizer, activations with the schedule library's peak stashes, head, host),
+    ``usable_bytes`` and ``fits``. The one place ``--dry-run`` reaches into the cost model."""
+    from jaxpar.planner import memory as M
+    from jaxpar.planner.search import evaluate
+
+    shape = M.Shape(cfg.train.global_batch, cfg.train.seq_len)
+    c = evaluate(cfg.model, cfg.mesh.hardware, cfg.layout, shape)
+    return {
+        "per_device_bytes": c.memory["total"],
+        "breakdown_bytes": {k: v for k, v in c.memory.items() if k != "total"},
+        "usable_bytes": c.usable,
+        "fits": c.fits,
+    }
+
+
+def dry_run(cfg, args: argparse.Namespace, verb: str = "train") -> int:
+    """``--dry-run``: everything that can be checked without JAX, then the layout and the
+    planner's memory estimate; exit 0. Nothing is compiled, no device is set up."""
+    from jaxpar import config as C
+    from jaxpar.distributed import process_config
+    from jaxpar.report import emit_json, human_bytes
+    from jaxpar.train import load_data
+
+    C.validate(cfg, n_devices=cfg.mesh.devices)
+    t = cfg.train
+    if t.init_from_hf:
+        from jaxpar.model.hf import check_config
+
+        check_config(t.init_from_hf, cfg.model)
+    if t.resume and t.init_from_hf:
+        raise C.ConfigError(f"train.init_from_hf={t.init_from_hf!r}: conflicts with --resume")
+    if (t.resume or t.resume_or_start) and not t.checkpoint_dir:
+        raise C.ConfigError("train.resume=True: needs train.checkpoint_dir (--checkpoint-dir)")
+    load_data(cfg)  # the vocabulary check (token files are memory-mapped, not read)
+    outputs = {f: getattr(t, f) for f in ("checkpoint_dir", "tensorboard_dir", "profile_dir",
+                                            "export_hf")}  # fmt: skip
+    if t.metrics_file:
+        outputs["metrics_file"] = str(Path(t.metrics_file).parent)
+    for name, path in outputs.items():
+        try:
+            if path:
+                K.writable_dir(path)
+        except argparse.ArgumentTypeError as e:
+            raise C.ConfigError(f"train.{name}={getattr(t, name)!r}: {e}") from None
+    pc = process_config(args.coordinator, args.num_processes, args.process_id)
+    mem = memory_estimate(cfg)
+    lay = cfg.layout
+    out = {
+        "dry_run": True,
+        "verb": verb,
+        "model": cfg.model.name,
+        "params": cfg.model.param_count(),
+        "mesh": cfg.mesh.name,
+        "devices": cfg.mesh.devices,
+        "processes": pc.num_processes if pc else 1,
+        "layout": C.to_dict(lay),
+        "train": {k: getattr(t, k) for k in ("steps", "global_batch", "seq_len", "lr", "seed")},
+        "memory": mem,
+    }
+    if args.json:
+        emit_json(out)
+        return 0
+    parts = ", ".join(
+        f"{k} {human_bytes(v)}" for k, v in mem["breakdown_bytes"].items() if v and k != "host"
+    )
+    host = mem["breakdown_bytes"].get("host")
+    print(
+        f"dry run: model {cfg.model.name} ({cfg.model.param_count() / 1e6:.1f} M params) on "
+        f"{cfg.mesh.devices} {cfg.mesh.hardware.platform} devices: pp={lay.pp} dp={lay.dp} "
+        f"sp={lay.sp} tp={lay.tp} zero={lay.zero}, {lay.microbatches} micro-batches, "
+        f"schedule {lay.schedule if lay.pp > 1 else '-'}, remat {lay.remat}"
+    )
+    print(
+        f"memory per device (planner estimate): {human_bytes(mem['per_device_bytes'])} of "
+        f"{human_bytes(mem['usable_bytes'])} usable, {'fits' if mem['fits'] else 'does NOT fit'}"
+        f" ({parts}{f'; host {human_bytes(host)}' if host else ''}); nothing was compiled"
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    """Validate, set up devices, train, report."""
+    """Validate, set up devices, train, report (or only validate: ``--dry-run``)."""
     from jaxpar import config as C
     from jaxpar.distributed import setup
     from jaxpar.report import emit_json
 
     cfg = build_config(args)
+    if args.dry_run:
+        return dry_run(cfg, args)
     C.validate(cfg, n_devices=cfg.mesh.devices)
     pc = setup(
         cfg.mesh.hardware, cfg.mesh.devices, args.coordinator, args.num_processes, args.process_id
@@ -127,10 +233,10 @@ def run(args: argparse.Namespace) -> int:
     from jaxpar.train.loop import run as train_run
 
     result = train_run(cfg)
-    if pc is not None and pc.process_id != 0:
-        return 0 if result["stopped"] is None else 3  # process 0 reports
+    code = 0 if result["stopped"] is None else 3
     if result["preempted"]:
         # Preemption is a clean exit (0): the scheduler's requeue runs the printed command.
+        # Every process says where it stopped (they agreed on the step).
         step = result["checkpoint_step"]
         how = (
             f"checkpoint at step {step} in {cfg.train.checkpoint_dir}; resume with:\n  "
@@ -139,11 +245,15 @@ def run(args: argparse.Namespace) -> int:
             else "no checkpoint was written (no --checkpoint-dir, or no step done); rerun "
             "the same command to start again"
         )
+        if pc is not None and pc.process_id != 0:
+            how = f"checkpoint at step {step}" if step else "no checkpoint"
         print(
             f"jaxpar train: stopped by {result['preempted']} after step {result['end_step']}; "
             + how,
             file=sys.stderr,
         )
+    if pc is not None and pc.process_id != 0:
+        return code  # process 0 reports
     if args.json:
         emit_json(result)
     else:
@@ -155,10 +265,15 @@ def run(args: argparse.Namespace) -> int:
         )
         ev = result["eval_loss"]
         if result["final_loss"] is None:
-            return 0 if result["stopped"] is None else 3
+            return code
+        skipped = (
+            f", {result['diverged_steps']} diverged steps ({result['skipped_steps']} skipped)"
+            if result["diverged_steps"]
+            else ""
+        )
         print(
             f"final loss {result['final_loss']:.4f}, held-out loss "
             f"{'n/a' if ev is None else f'{ev:.4f}'}, {result['tokens_per_s']:,.0f} tokens/s, "
-            f"{result['step_time_s'] * 1e3:.1f} ms/step"
+            f"{result['step_time_s'] * 1e3:.1f} ms/step{skipped}"
         )
-    return 0 if result["stopped"] is None else 3
+    return code

@@ -168,7 +168,8 @@ def tile_grads(q_i, qt_i, k_j, kt_j, v_j, do_i, dot_i, lse_i, delta_i, mask):
 
 
 def _t(x: jax.Array, q: bool) -> jax.Array:
-    """Transposed blocks: q ``[.., G, C, Dh] -> [.., Dh, G, C]``, k ``[.., C, Dh] -> [.., Dh, C]``."""
+    """Transposed blocks: q ``[.., G, C, Dh] -> [.., Dh, G, C]``; k ``[.., C, Dh] -> [.., Dh, C]``
+    (``q``: whether ``x`` is a query-like block)."""
     return jnp.moveaxis(x, -1, -3) if q else jnp.swapaxes(x, -1, -2)
 
 

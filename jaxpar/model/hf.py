@@ -170,7 +170,15 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise ConfigError(f"train.init_from_hf={str(directory)!r}: no config.json in the directory")
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object at the top level")
+    return data
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, str]:
@@ -183,23 +191,41 @@ def _rope(hf: dict[str, Any]) -> tuple[float, str]:
 def model_config(directory: str | Path, name: str | None = None) -> ModelConfig:
     """A jaxpar :class:`ModelConfig` with the shape of the checkpoint in ``directory``."""
     hf = read_config(directory)
+    try:
+        return _model_config(hf, directory, name)
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
+        where = Path(directory) / "config.json"
+        if isinstance(e, KeyError):
+            raise ConfigError(f"{where}: {e.args[0]}: missing (Llama configs set it)") from None
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _model_config(hf: dict[str, Any], directory: str | Path, name: str | None) -> ModelConfig:
     _check_supported(hf, directory)
-    d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    d, h = _count(hf, "hidden_size"), _count(hf, "num_attention_heads")
     return ModelConfig(
         name=name or Path(directory).name,
-        n_layers=int(hf["num_hidden_layers"]),
+        n_layers=_count(hf, "num_hidden_layers"),
         d_model=d,
         n_heads=h,
-        n_kv_heads=int(hf.get("num_key_value_heads") or h),
-        d_ff=int(hf["intermediate_size"]),
-        vocab_size=int(hf["vocab_size"]),
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        head_dim=int(hf["head_dim"]) if hf.get("head_dim") and hf["head_dim"] != d // h else None,
+        n_kv_heads=_count(hf, "num_key_value_heads") if hf.get("num_key_value_heads") else h,
+        d_ff=_count(hf, "intermediate_size"),
+        vocab_size=_count(hf, "vocab_size"),
+        max_seq_len=_count({"max_position_embeddings": 2048, **hf}, "max_position_embeddings"),
+        head_dim=_count(hf, "head_dim") if hf.get("head_dim") not in (None, 0, d // h) else None,
         mlp="swiglu",
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=_rope(hf)[0],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
     )
+
+
+def _count(hf: dict[str, Any], key: str) -> int:
+    """A positive integer field of config.json (refused naming the key otherwise)."""
+    value = hf[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={value!r}: must be a positive integer")
+    return value
 
 
 def _check_supported(hf: dict[str, Any], directory: str | Path) -> None:

@@ -11,6 +11,8 @@ heads per kv head, Dh head dim, F FFN width.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -18,7 +20,12 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.model.attention import core as attention_core
 from jaxpar.model.attention import kv_repeat, nvidia, resolve, ring_attention, ulysses
+from jaxpar.model.names import weight
 from jaxpar.sharding import active_rules, constrain
+
+# An attention core ``(q [B,S,H,Dh], k [B,S,K,Dh], v) -> o [B,S,H,Dh]`` that replaces the
+# block's own (the decode path attends over a KV cache with it: jaxpar.generate).
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -38,12 +45,16 @@ class RMSNorm(nnx.Module):
         return (x32 * inv * self.scale[...]).astype(x_BxSxD.dtype)
 
 
-def rope(x_BxSxNxDh: jax.Array, positions_S: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021), half-split convention (as in Llama/HF)."""
+def rope(x_BxSxNxDh: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), half-split convention (as in Llama/HF).
+
+    ``positions`` is ``[S]`` (shared by the batch) or ``[B, S]`` (per row: left-padded prompts
+    when decoding)."""
     half = x_BxSxNxDh.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_SxHalf = positions_S.astype(jnp.float32)[:, None] * freq[None, :]
-    sin, cos = jnp.sin(angle_SxHalf)[None, :, None, :], jnp.cos(angle_SxHalf)[None, :, None, :]
+    angle = positions.astype(jnp.float32)[..., None] * freq  # [S, half] or [B, S, half]
+    angle_BxSx1xHalf = jnp.broadcast_to(angle, (1,) * (3 - angle.ndim) + angle.shape)[:, :, None]
+    sin, cos = jnp.sin(angle_BxSx1xHalf), jnp.cos(angle_BxSx1xHalf)
     x1, x2 = jnp.split(x_BxSxNxDh.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxSxNxDh.dtype)
@@ -75,15 +86,24 @@ class Attention(nnx.Module):
         self.theta = cfg.rope_theta
         self.attention, self.block = cfg.attention, cfg.attention_block
 
-    def __call__(self, x_BxSxD: jax.Array, positions_S: jax.Array) -> jax.Array:
+    def __call__(
+        self, x_BxSxD: jax.Array, positions_S: jax.Array, attend: Attend | None = None
+    ) -> jax.Array:
+        """``out(core(qkv(x)))``; ``attend(q, k, v)`` replaces the core (e.g. a KV cache)."""
         q, k, v = self.qkv(x_BxSxD, positions_S)
-        return self.out(self.core(q, k, v))
+        if attend is not None:
+            o_BxSxHxDh = attend(q, k, v)
+        else:
+            o_BxSxHxDh = self.core(q, k, v)
+        return self.out(o_BxSxHxDh)
 
-    def qkv(self, x_BxSxD: jax.Array, positions_S: jax.Array):
-        """Projections with rotary embeddings applied: ``q [B, S, H', Dh]``, ``k``, ``v``
-        ``[B, S, K', Dh]`` in the projection layout (seq on sp, heads on tp). ``H'`` = H and
-        ``K'`` = K·r, the kv heads repeated r times (:func:`kv_repeat`) when fewer than the
-        head shards; ``positions_S`` are the tokens' absolute positions."""
+    def qkv(
+        self, x_BxSxD: jax.Array, positions_S: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Projections with rotary embeddings applied: q ``[B, S, H, Dh]``, k and v
+        ``[B, S, K·r, Dh]`` (kv heads repeated r times, :func:`kv_repeat`, when fewer than the
+        head shards), in the projection layout (seq on sp, heads on tp). ``positions_S`` may
+        be ``[B, S]`` (see :func:`rope`)."""
         dt = x_BxSxD.dtype
         b, s, _ = x_BxSxD.shape
         h, kvh, dh = self.wq.shape[1], self.wk.shape[1], self.wq.shape[2]
@@ -117,11 +137,11 @@ class Attention(nnx.Module):
         return q, k, constrain(v, layout)
 
     def out(self, o_BxSxHxDh: jax.Array) -> jax.Array:
-        """Row-parallel output projection ``[B, S, H, Dh] -> [B, S, D]``."""
+        """The row-parallel output projection ``[B, S, H, Dh] -> [B, S, D]``."""
         o_BxSxHxDh = constrain(o_BxSxHxDh, ("batch", "seq", "heads", "head_dim"))
-        # Contracting the tp-sharded heads gives partial sums -> one all-reduce over tp (a
-        # reduce-scatter onto the sequence shards under Megatron-SP).
-        out = jnp.einsum("bshk,hkd->bsd", o_BxSxHxDh, self.wo[...].astype(o_BxSxHxDh.dtype))
+        # Row-parallel: contracting the tp-sharded heads gives partial sums -> one all-reduce
+        # over tp (a reduce-scatter onto the sequence shards under Megatron-SP).
+        out = jnp.einsum("bshk,hkd->bsd", o_BxSxHxDh, weight(self.wo[...].astype(o_BxSxHxDh.dtype)))
         return constrain(out, ("batch", "act_seq", "embed"))
 
     def implementation(self, dtype, head_dim: int) -> str:
@@ -144,7 +164,7 @@ def _fused_columns(ws: list[jax.Array], tp: int, dt, logical: tuple) -> jax.Arra
     """Column-parallel weights ``[D, N_i, ...]`` (N_i on tp) fused per TP rank into
     ``[D, tp, Σ N_i/tp, ...]``: a local concatenation, no collective."""
     parts = [w.reshape(w.shape[0], tp, w.shape[1] // tp, *w.shape[2:]) for w in ws]
-    return constrain(jnp.concatenate(parts, axis=2).astype(dt), logical)
+    return weight(constrain(jnp.concatenate(parts, axis=2).astype(dt), logical))
 
 
 class MLP(nnx.Module):
@@ -174,10 +194,11 @@ class MLP(nnx.Module):
             b, s, _ = x_BxSxD.shape
             h_BxSxF = (jax.nn.silu(gate) * up).reshape(b, s, -1)
         else:
-            h_BxSxF = jax.nn.gelu(x_BxSxD @ self.w_up[...].astype(dt))
+            h_BxSxF = jax.nn.gelu(x_BxSxD @ weight(self.w_up[...].astype(dt)))
         h_BxSxF = constrain(h_BxSxF, ("batch", "seq", "mlp"))
         # Row-parallel: all-reduce over tp (reduce-scatter onto sequence shards under SP).
-        return constrain(h_BxSxF @ self.w_down[...].astype(dt), ("batch", "act_seq", "embed"))
+        w_FxD = weight(self.w_down[...].astype(dt))
+        return constrain(h_BxSxF @ w_FxD, ("batch", "act_seq", "embed"))
 
 
 class Block(nnx.Module):
@@ -189,9 +210,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BxSxD: jax.Array, positions_S: jax.Array) -> jax.Array:
+    def __call__(
+        self, x_BxSxD: jax.Array, positions_S: jax.Array, attend: Attend | None = None
+    ) -> jax.Array:
         x_BxSxD = constrain(x_BxSxD, ("batch", "act_seq", "embed"))
-        x_BxSxD = x_BxSxD + self.attn(self.attn_norm(x_BxSxD), positions_S)
+        x_BxSxD = x_BxSxD + self.attn(self.attn_norm(x_BxSxD), positions_S, attend)
         x_BxSxD = x_BxSxD + self.mlp(self.mlp_norm(x_BxSxD))
         # The residual stream (and so the norms) stays sequence-sharded between blocks.
         return constrain(x_BxSxD, ("batch", "act_seq", "embed"))

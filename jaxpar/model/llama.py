@@ -15,6 +15,7 @@ time only; the compiled program is the same as hand-written functions).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -22,10 +23,32 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.layers import Block, RMSNorm
+from jaxpar.model.layers import Attend, Block, RMSNorm
+from jaxpar.model.names import weight
 from jaxpar.sharding import constrain
 
 Params = dict[str, Any]
+Wrap = Callable[[Callable], Callable]
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """How a layout reaches into the forward without rewiring it (one wiring, every layout).
+
+    ``layer`` wraps the layer-scan body ``(x, layer_params) -> (x, None)`` (remat policy, and
+    the ZeRO-3 per-layer gather); ``embed`` maps the embedding params at their point of use
+    (ZeRO-3: gathered once, its backward needs no weights); ``head`` wraps
+    ``head_loss(head_params, x, targets)`` (ZeRO-3: gather inside a checkpoint, so the gathered
+    head weights are not kept for the backward).
+    """
+
+    layer: Wrap | None = None
+    embed: Callable[[Params], Params] = _same
+    head: Wrap = _same
 
 
 class Embed(nnx.Module):
@@ -60,7 +83,7 @@ class Head(nnx.Module):
         # the column-parallel vocabulary projection.
         h = constrain(self.norm(x_BxSxD), ("batch", "seq", "embed"))
         w_DxV = table_VxD.T if table_VxD is not None else self.w_out[...]
-        return h, w_DxV.astype(h.dtype)
+        return h, weight(w_DxV.astype(h.dtype))
 
     def logits(self, x_BxSxD: jax.Array, table_VxD: jax.Array | None) -> jax.Array:
         h, w_DxV = self._hidden(x_BxSxD, table_VxD)
@@ -190,9 +213,16 @@ class Model:
         """Token embeddings ``[B, S, D]`` in ``dtype``."""
         return self._bind("embed", params["embed"])(tokens_BxS, dtype)
 
-    def block(self, layer_params: Params, x_BxSxD: jax.Array, positions_S: jax.Array):
-        """One decoder block on one layer's parameters (no leading layer axis)."""
-        return self._bind("block", layer_params)(x_BxSxD, positions_S)
+    def block(
+        self,
+        layer_params: Params,
+        x_BxSxD: jax.Array,
+        positions_S: jax.Array,
+        attend: Attend | None = None,
+    ):
+        """One decoder block on one layer's parameters (no leading layer axis); ``attend``
+        replaces the attention core (:data:`jaxpar.model.layers.Attend`)."""
+        return self._bind("block", layer_params)(x_BxSxD, positions_S, attend)
 
     def blocks(
         self,
@@ -247,16 +277,29 @@ class Model:
         table = params["embed"]["table"] if self.cfg.tied_embeddings else None
         return self._bind("head", params["head"]).loss(x_BxSxD, targets_BxS, table)
 
+    def head_params(self, params: Params) -> Params:
+        """The parameters :meth:`head_loss` reads (the embedding table too when tied)."""
+        out = {"head": params["head"]}
+        if self.cfg.tied_embeddings:
+            out["embed"] = params["embed"]
+        return out
+
     def loss(
         self,
         params: Params,
         tokens_BxS: jax.Array,
         targets_BxS: jax.Array,
         dtype=jnp.float32,
-        wrap: Callable | None = None,
+        hooks: Hooks | None = None,
     ) -> jax.Array:
-        """Mean next-token loss of the whole model (the single-program path)."""
+        """Mean next-token loss of the whole model: embed → blocks → head and loss.
+
+        This is the one wiring of the model; the pipeline runs the same three pieces
+        (:meth:`embed`, :meth:`blocks` as its stage function, :meth:`head_loss`) under the
+        same ``hooks``.
+        """
+        hooks = hooks or Hooks()
         positions_S = jnp.arange(tokens_BxS.shape[1])
-        x = self.embed(params, tokens_BxS, dtype)
-        x = self.blocks(params["layers"], x, positions_S, wrap)
-        return self.head_loss(params, x, targets_BxS)
+        x = self.embed({"embed": hooks.embed(params["embed"])}, tokens_BxS, dtype)
+        x = self.blocks(params["layers"], x, positions_S, hooks.layer)
+        return hooks.head(self.head_loss)(self.head_params(params), x, targets_BxS)

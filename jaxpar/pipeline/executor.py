@@ -126,153 +126,146 @@ def stage_specs(layer_specs: Any) -> Any:
     return jax.tree.map(one, layer_specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def run_pipeline(
+def run_local(
     plan: Plan,
     stage_fn,
     head_loss,
-    staged: Any,
+    local: Any,
     rest: Any,
-    x_MxBxSxD: jax.Array,
-    targets_MxBxS: jax.Array,
+    x_all: jax.Array,
+    tg_all: jax.Array,
     recompute: bool = False,
+    reduce_each=None,
 ) -> tuple[jax.Array, Any, Any, jax.Array]:
-    """Run the schedule; return (mean loss, staged-layer grads, ``rest`` grads, input cotangents).
+    """Run the schedule on this rank; return (loss, chunk grads, ``rest`` grads, input cotangents).
 
-    ``stage_fn(chunk_params, x) -> y`` is one virtual stage; ``head_loss(rest, y, targets)`` the
-    last stage's loss. ``staged`` is the arranged ``[p, v, Lc, ...]`` layer tree, ``rest`` the
-    other parameters (replicated over ``pp``). Must run under ``jax.set_mesh`` of a mesh with a
-    ``pp`` axis.
+    Runs inside a ``shard_map`` manual over ``pp`` (and the dp axes: gradients stay unreduced
+    over dp, :mod:`jaxpar.train.grads`). ``stage_fn(chunk_params, x) -> y`` is one virtual
+    stage; ``head_loss(rest, y, targets)`` the last stage's loss. ``local`` is this rank's
+    ``[v, Lc, ...]`` layer tree, ``rest`` the other parameters, ``x_all`` the embedded
+    micro-batches ``[m, b, s, d]`` and ``tg_all`` their targets. ``reduce_each`` (ZeRO-2)
+    reduces one micro-batch's chunk gradient before it joins the (then sharded) accumulator.
+    The loss and ``rest`` grads come back summed over ``pp``; the input cotangents are those of
+    this rank (only stage 0's rank holds non-zero ones).
     """
     sched = plan.schedule
     p, m, num_stages = sched.p, sched.m, sched.num_stages
     n_act, n_grad = int(plan.arrays["n_act_slots"]), int(plan.arrays["n_grad_slots"])
     n_stash = int(plan.arrays["n_stash_slots"])
-    tables = {k: jnp.asarray(a) for k, a in plan.rank_tables().items()}
+    me = jax.lax.axis_index("pp")
+    rows = {k: jnp.asarray(a)[me] for k, a in plan.rank_tables().items()}
+    reduce_each = reduce_each or (lambda g: g)
 
-    def body(tables, staged, rest, x_all, tg_all):
-        rows = {k: t[0] for k, t in tables.items()}
-        local = jax.tree.map(lambda a: a[0], staged)  # [v, Lc, ...]
+    def chunk_params(c):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), local)
 
-        def chunk_params(c):
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), local)
+    msg0 = jnp.zeros_like(x_all[0])
+    stash = Stash.probe(stage_fn, chunk_params(0), msg0, recompute)
+    carry0 = {
+        "act": jnp.zeros((max(n_act, 1), *msg0.shape), msg0.dtype),
+        "grad": jnp.zeros((max(n_grad, 1), *msg0.shape), msg0.dtype),
+        "stash": stash.empty(n_stash),
+        # Cotangent of the stage output for a pending W (filed by I) or the last stage's
+        # loss cotangent (filed by its F).
+        "cot": jnp.zeros((n_stash, *msg0.shape), msg0.dtype),
+        # Per local chunk; a ZeRO-2 shard when ``reduce_each`` scatters.
+        "acc": jax.tree.map(
+            lambda a: jnp.zeros((sched.v, *a.shape), a.dtype),
+            jax.eval_shape(reduce_each, chunk_params(0)),
+        ),
+        "acc_rest": jax.tree.map(jnp.zeros_like, rest),
+        "loss": jnp.zeros((), jnp.float32),
+        "dx": jnp.zeros_like(x_all),
+    }
 
-        msg0 = jnp.zeros_like(x_all[0])
-        stash = Stash.probe(stage_fn, chunk_params(0), msg0, recompute)
-        carry0 = {
-            "act": jnp.zeros((max(n_act, 1), *msg0.shape), msg0.dtype),
-            "grad": jnp.zeros((max(n_grad, 1), *msg0.shape), msg0.dtype),
-            "stash": stash.empty(n_stash),
-            # Cotangent of the stage output for a pending W (filed by I) or the last stage's
-            # loss cotangent (filed by its F).
-            "cot": jnp.zeros((n_stash, *msg0.shape), msg0.dtype),
-            "acc": jax.tree.map(jnp.zeros_like, local),
-            "acc_rest": jax.tree.map(jnp.zeros_like, rest),
-            "loss": jnp.zeros((), jnp.float32),
-            "dx": jnp.zeros_like(x_all),
-        }
+    def idle(c, row):
+        return c, msg0
 
-        def idle(c, row):
-            return c, msg0
+    def fwd(c, row):
+        s, j, slot = row["stage"], row["mb"], row["stash_slot"]
+        x_in = jnp.where(
+            s == 0,
+            jax.lax.dynamic_index_in_dim(x_all, j, keepdims=False),
+            jax.lax.dynamic_index_in_dim(c["act"], jnp.maximum(row["in_slot"], 0), keepdims=False),
+        )
+        y, res = stash.forward(chunk_params(row["chunk"]), x_in)
+        c = dict(c, stash=write_slot(c["stash"], slot, res))
 
-        def fwd(c, row):
-            s, j, slot = row["stage"], row["mb"], row["stash_slot"]
-            x_in = jnp.where(
-                s == 0,
-                jax.lax.dynamic_index_in_dim(x_all, j, keepdims=False),
-                jax.lax.dynamic_index_in_dim(
-                    c["act"], jnp.maximum(row["in_slot"], 0), keepdims=False
-                ),
-            )
-            y, res = stash.forward(chunk_params(row["chunk"]), x_in)
-            c = dict(c, stash=write_slot(c["stash"], slot, res))
+        def head(y):
+            tg = jax.lax.dynamic_index_in_dim(tg_all, j, keepdims=False)
+            f = lambda r, h: head_loss(r, h, tg) / m  # noqa: E731  mean over micro-batches
+            loss, (d_rest, dy) = jax.value_and_grad(f, argnums=(0, 1))(rest, y)
+            return loss, d_rest, dy
 
-            def head(y):
-                tg = jax.lax.dynamic_index_in_dim(tg_all, j, keepdims=False)
-                f = lambda r, h: head_loss(r, h, tg) / m  # noqa: E731  mean over micro-batches
-                loss, (d_rest, dy) = jax.value_and_grad(f, argnums=(0, 1))(rest, y)
-                return loss, d_rest, dy
+        def no_head(y):
+            return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, rest), y * 0
 
-            def no_head(y):
-                return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, rest), y * 0
+        loss, d_rest, dy = jax.lax.cond(s == num_stages - 1, head, no_head, y)
+        return dict(
+            c,
+            cot=write_slot([c["cot"]], slot, [dy])[0],
+            acc_rest=jax.tree.map(jnp.add, c["acc_rest"], d_rest),
+            loss=c["loss"] + loss,
+        ), y
 
-            loss, d_rest, dy = jax.lax.cond(s == num_stages - 1, head, no_head, y)
-            return dict(
-                c,
-                cot=write_slot([c["cot"]], slot, [dy])[0],
-                acc_rest=jax.tree.map(jnp.add, c["acc_rest"], d_rest),
-                loss=c["loss"] + loss,
-            ), y
+    def cotangent(c, row):
+        last = row["stage"] == num_stages - 1
+        from_loss = read_slot([c["cot"]], row["stash_slot"])[0]
+        recv = read_slot([c["grad"]], jnp.maximum(row["in_slot"], 0))[0]
+        return jnp.where(last, from_loss, recv)
 
-        def cotangent(c, row):
-            last = row["stage"] == num_stages - 1
-            from_loss = read_slot([c["cot"]], row["stash_slot"])[0]
-            recv = read_slot([c["grad"]], jnp.maximum(row["in_slot"], 0))[0]
-            return jnp.where(last, from_loss, recv)
+    def pullback(c, row):
+        params = chunk_params(row["chunk"])
+        return stash.pullback(params, read_slot(c["stash"], row["stash_slot"]))
 
-        def pullback(c, row):
-            params = chunk_params(row["chunk"])
-            return stash.pullback(params, read_slot(c["stash"], row["stash_slot"]))
+    def add_grads(c, row, d_params):
+        d_params = reduce_each(d_params)
+        acc = jax.tree.map(
+            lambda a, d: a.at[row["chunk"]].add(d.astype(a.dtype)), c["acc"], d_params
+        )
+        return dict(c, acc=acc)
 
-        def add_grads(c, row, d_params):
-            acc = jax.tree.map(
-                lambda a, d: a.at[row["chunk"]].add(d.astype(a.dtype)), c["acc"], d_params
-            )
-            return dict(c, acc=acc)
+    def input_cot(c, row, dx):
+        # Stage 0's input cotangent goes to the embedding's pullback after the pipeline.
+        slot = jnp.where(row["stage"] == 0, row["mb"], -1)
+        return dict(c, dx=write_if(c["dx"], slot, dx))
 
-        def input_cot(c, row, dx):
-            # Stage 0's input cotangent goes to the embedding's pullback after the pipeline.
-            slot = jnp.where(row["stage"] == 0, row["mb"], -1)
-            return dict(c, dx=write_if(c["dx"], slot, dx))
+    def bwd(c, row):
+        d_params, dx = pullback(c, row)(cotangent(c, row))
+        return input_cot(add_grads(c, row, d_params), row, dx), dx
 
-        def bwd(c, row):
-            d_params, dx = pullback(c, row)(cotangent(c, row))
-            return input_cot(add_grads(c, row, d_params), row, dx), dx
+    def inp(c, row):
+        g = cotangent(c, row)
+        _, dx = pullback(c, row)(g)
+        c = dict(c, cot=write_slot([c["cot"]], row["stash_slot"], [g])[0])
+        return input_cot(c, row, dx), dx
 
-        def inp(c, row):
-            g = cotangent(c, row)
-            _, dx = pullback(c, row)(g)
-            c = dict(c, cot=write_slot([c["cot"]], row["stash_slot"], [g])[0])
-            return input_cot(c, row, dx), dx
+    def wgt(c, row):
+        g = read_slot([c["cot"]], row["stash_slot"])[0]
+        d_params, _ = pullback(c, row)(g)
+        return add_grads(c, row, d_params), msg0
 
-        def wgt(c, row):
-            g = read_slot([c["cot"]], row["stash_slot"])[0]
-            d_params, _ = pullback(c, row)(g)
-            return add_grads(c, row, d_params), msg0
+    # Kinds the table never uses get the idle branch: less to compile (no I/W for 1F1B).
+    used = set(np.unique(plan.arrays["kind"]).tolist())
+    branches = [f if k in used else idle for k, f in enumerate((idle, fwd, bwd, inp, wgt))]
 
-        # Kinds the table never uses get the idle branch: less to compile (no I/W for 1F1B).
-        used = set(np.unique(plan.arrays["kind"]).tolist())
-        branches = [f if k in used else idle for k, f in enumerate((idle, fwd, bwd, inp, wgt))]
+    def tick(c, row):
+        c, out = jax.lax.switch(row["kind"], branches, c, row)
+        # Both ring directions every tick (collective-permute over pp); the receiver's
+        # table says which arrival is real and where it goes.
+        from_prev = jax.lax.ppermute(out, "pp", [(i, (i + 1) % p) for i in range(p)])
+        from_next = (
+            jax.lax.ppermute(out, "pp", [(i, (i - 1) % p) for i in range(p)])
+            if p > 2
+            else from_prev
+        )
+        act, grad = c["act"], c["grad"]
+        for ch, arrived in enumerate((from_prev, from_next, out)):
+            act = write_if(act, row["recv_act"][ch], arrived)
+            grad = write_if(grad, row["recv_grad"][ch], arrived)
+        return dict(c, act=act, grad=grad), None
 
-        def tick(c, row):
-            c, out = jax.lax.switch(row["kind"], branches, c, row)
-            # Both ring directions every tick (collective-permute over pp); the receiver's
-            # table says which arrival is real and where it goes.
-            from_prev = jax.lax.ppermute(out, "pp", [(i, (i + 1) % p) for i in range(p)])
-            from_next = (
-                jax.lax.ppermute(out, "pp", [(i, (i - 1) % p) for i in range(p)])
-                if p > 2
-                else from_prev
-            )
-            act, grad = c["act"], c["grad"]
-            for ch, arrived in enumerate((from_prev, from_next, out)):
-                act = write_if(act, row["recv_act"][ch], arrived)
-                grad = write_if(grad, row["recv_grad"][ch], arrived)
-            return dict(c, act=act, grad=grad), None
-
-        c, _ = jax.lax.scan(tick, carry0, rows)
-        loss = jax.lax.psum(c["loss"], "pp")
-        d_rest = jax.lax.psum(c["acc_rest"], "pp")
-        d_staged = jax.tree.map(lambda a: a[None], c["acc"])
-        return loss, d_staged, d_rest, c["dx"][None]
-
-    rank = jax.tree.map(lambda _: P("pp"), tables)
-    fn = jax.shard_map(
-        body,
-        in_specs=(rank, jax.tree.map(lambda _: P("pp"), staged), P(), P(), P()),
-        out_specs=(P(), jax.tree.map(lambda _: P("pp"), staged), P(), P("pp")),
-        axis_names={"pp"},
-        check_vma=False,
-    )
-    loss, d_staged, d_rest, dx_all = fn(tables, staged, rest, x_MxBxSxD, targets_MxBxS)
-    # Stage 0 sits on rank 0 in every placement; only its rows hold input cotangents.
-    return loss, d_staged, d_rest, dx_all[sched.placement[0]]
+    c, _ = jax.lax.scan(tick, carry0, rows)
+    loss = jax.lax.psum(c["loss"], "pp")
+    d_rest = jax.lax.psum(c["acc_rest"], "pp")
+    return loss, c["acc"], d_rest, c["dx"]

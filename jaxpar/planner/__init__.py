@@ -1,9 +1,17 @@
-"""The planner: enumerate layouts on a cluster, cost them, recommend one and explain.
+"""The planner: one cost model of jaxpar's train step, a search over runnable layouts, and the
+published runs it is checked against.
 
-Modules: :mod:`~jaxpar.planner.pipe` (schedule-library figures), :mod:`~jaxpar.planner.memory`
-(per-device bytes), :mod:`~jaxpar.planner.cost` (step-time terms), :mod:`~jaxpar.planner.search`
-(enumeration, pruning, baseline), :mod:`~jaxpar.planner.explain` (JSON and text), and
-:mod:`~jaxpar.planner.plan` (the entry points ``plan`` and ``cost_layout``).
+The cost model — what ``jaxpar plan``, ``jaxpar memory``, ``jaxpar bench`` and the tests all
+call: :mod:`~jaxpar.planner.shapes` (per-tensor parameter shards from the model's descriptor and
+the trainer's rules), :mod:`~jaxpar.planner.activations` (residuals per remat policy and
+attention kernel), :mod:`~jaxpar.planner.memory` (per-device bytes),
+:mod:`~jaxpar.planner.traffic` (bytes per collective), :mod:`~jaxpar.planner.pipe` (the one
+adapter to the schedule library), :mod:`~jaxpar.planner.hardware` (matmul efficiency, links,
+NICs), :mod:`~jaxpar.planner.cost` (step time), :mod:`~jaxpar.planner.executor` (what the
+program does). Around it: :mod:`~jaxpar.planner.search` (candidates through
+``config.check_layout``), :mod:`~jaxpar.planner.explain` (JSON and text),
+:mod:`~jaxpar.planner.plan` (``plan`` and ``cost_layout``), :mod:`~jaxpar.planner.published`
+(large runs, fit and held out), :mod:`~jaxpar.planner.calibrate` (``bench --calibrate``).
 """
 
 from jaxpar.planner.plan import check_hardware, cost_layout, plan

@@ -1,46 +1,43 @@
-"""Step-time cost model of one layout: each term stated, in seconds per optimizer step.
+"""Step time of one layout: every term stated, in seconds per optimizer step.
 
-Terms (per device, the busiest pipeline rank; ``L`` layers, ``m`` micro-batches of ``b``
-sequences of ``s`` tokens per dp rank, ``h`` = d_model):
+The busiest device's view (the first pipeline rank; ``L`` layers per rank, ``m`` micro-batches
+of ``b`` sequences of ``s`` tokens per dp rank, ``tokens = b·s/sp`` local tokens):
 
-* ``compute``: model FLOPs of this device's share (``theory.train_flops_per_token`` × tokens ÷
-  devices) ÷ (peak × efficiency). The efficiency depends on the size of the device's local
-  matmuls: ``EFF_MAX · g / (g + EFF_HALF)`` with ``g`` the smallest of the tokens per micro-batch
-  (b·s/sp) and the local weight widths (h, heads·hd/tp, d_ff/tp).
-* ``recompute``: ``remat=full`` repeats the forward of every layer (1/3 of the layers' train
-  FLOPs), ``selective`` the attention core (4·h·s FLOPs per token per layer forward).
-* ``tp_comm``: Megatron's 4 all-reduces per layer per micro-batch of b·s·h (``theory.
-  tp_comm_elements_per_layer``), 6 with full recompute (the forward ones run again), in the
-  compute dtype, on the intra-node link (inter-node when tp·sp spans nodes: flagged). Not
-  overlapped (they sit between dependent matmuls).
-* ``sp_comm``: Ulysses all-to-alls (``theory.ulysses_comm_elements_per_layer``, wire volume) or
-  ring-attention K/V passes, on the link the sp·tp group spans.
-* ``pp_p2p``: one exchange per lock-step tick of b·s·h (÷ tp with sequence parallelism) values,
-  each way, on the link between stages (inter-node when a stage spans a node or more).
-* ``bubble``: (compute + recompute + tp + sp) × (makespan/busy − 1) from the schedule library's
-  lock-step table (jaxpar's executor runs it in lock step).
-* ``dp_comm``: gradient reduction 2Ψ(N−1)/N (ZeRO-3: 3Ψ; inside a pipeline ZeRO-3 regathers
-  each micro-batch: (2m+1)Ψ) in ``reduce_dtype`` bytes over the dp group's link; ``DP_OVERLAP``
-  of the backward compute hides it (ZeRO-3's gathers also overlap the forward). Only the
-  excess is exposed.
-* ``offload``: optimizer offload moves grads down and params up once per step (4Ψ + 4Ψ bytes
-  of the local shard) over the host link; params offload also fetches params per micro-batch.
-
-The links: a group is intra-node when its devices are contiguous in the mesh order
-(pp, dp, sp, tp) within one node (stride × size ≤ devices_per_node), inter-node otherwise.
+* **One layer's forward** ``t_f``: each of its four weight matmuls (fused QKV, attention out,
+  gate/up, down — local shapes after tp) takes FLOPs / (peak × efficiency at its smallest
+  dimension) from the mesh file's curve (:mod:`jaxpar.planner.hardware`); the attention core's
+  QKᵀ and PV run at the efficiency of the sequence length for a ``blockwise`` kernel, which also
+  skips the masked half, and at that of the head dimension for ``dense``, which computes the
+  whole s×s and moves its scores through HBM (``Executor.score_bytes`` per score); the
+  elementwise work (norms, residual adds, rope, activations) is memory-bound:
+  ``ELEMENTWISE_PASSES`` × the layer's saved activation bytes / HBM bandwidth. Backward = 2 ×
+  forward. Full recompute repeats the forward (and its tp/sp collectives) in the backward.
+* **Collectives** (:mod:`jaxpar.planner.traffic`) on the link their group spans: tp and sp
+  inside every action (``overlap_tp`` of the tp time hidden), exposed; dp once per step,
+  hidden up to ``overlap_dp`` of the backward (and of the forward for ZeRO ≥ 1, whose param
+  gathers overlap it) — with a pipeline only the last micro-batch's backward of each chunk can
+  hide it; pipeline messages per send of the schedule table.
+* **Pipeline**: the schedule library's makespan (lock-step for jaxpar's executor, asynchronous
+  for other frameworks: :class:`jaxpar.planner.executor.Executor`) with the real action costs
+  F, B (3F under full recompute), I and W (:func:`action_costs`), in units of the stage's
+  forward; the last stage's head and loss sit on the critical path once per micro-batch.
+* **Host transfers**: offloaded optimizer/params and activations over ``host_to_device_bw``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxpar.analysis import theory as T
+from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
+from jaxpar.planner import traffic as TR
+from jaxpar.planner.activations import block_residuals, kv_heads_local
+from jaxpar.planner.executor import JAXPAR, Executor
+from jaxpar.planner.hardware import crosses_nodes, link_bw, matmul_efficiency
 from jaxpar.planner.memory import Shape
+from jaxpar.planner.pipe import ActionCosts, PipeFigures, figures
 
-EFF_MAX = 0.70  # best sustained share of peak (fitted: see BENCHMARKS.md, Megatron rows)
-EFF_HALF = 384  # local matmul dimension at which efficiency is half of EFF_MAX (fitted)
-DP_OVERLAP = 0.8  # share of the backward (and, for ZeRO-3, forward) that can hide dp traffic
+ELEMENTWISE_PASSES = 2.0  # HBM passes over a layer's activations per forward (fitted)
 
 
 @dataclass
@@ -49,7 +46,8 @@ class Cost:
 
     terms: dict[str, float]
     traffic: dict[str, float]
-    efficiency: float
+    efficiency: float  # FLOP-weighted matmul efficiency of a layer
+    pipe: PipeFigures | None = None
     flags: list[str] = field(default_factory=list)
 
     @property
@@ -58,24 +56,93 @@ class Cost:
         return sum(self.terms.values())
 
 
-def link_of(hw: HardwareConfig, stride: int, size: int) -> str:
-    """``intra`` when a group of ``size`` devices ``stride`` apart sits in one node."""
-    return "intra" if size == 1 or stride * size <= hw.devices_per_node else "inter"
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer, one micro-batch, on one device (seconds)."""
+
+    compute: float  # forward FLOPs and memory-bound work
+    tp_fwd: float
+    tp_bwd: float
+    sp_fwd: float
+    sp_bwd: float
+    efficiency: float
 
 
-def _bw(hw: HardwareConfig, link: str) -> float:
-    return hw.intra_node_bw if link == "intra" else hw.inter_node_bw
+def _matmul(hw: HardwareConfig, m: float, k: float, n: float) -> tuple[float, float]:
+    """(seconds, FLOPs) of an [m, k] @ [k, n] matmul."""
+    flops = 2 * m * k * n
+    return flops / (hw.peak_flops_bf16 * matmul_efficiency(hw, min(m, k, n))), flops
 
 
-def efficiency(model: ModelConfig, lay: LayoutConfig, tokens_per_mb: float) -> float:
-    """Share of peak the device's local matmuls sustain (see the module docstring)."""
-    g = min(
-        tokens_per_mb,
-        model.d_model,
-        model.n_heads * model.hd / lay.tp,
-        model.d_ff / lay.tp,
+def layer_time(
+    model: ModelConfig,
+    hw: HardwareConfig,
+    lay: LayoutConfig,
+    shape: Shape,
+    ex: Executor,
+    elementwise_passes: float = ELEMENTWISE_PASSES,
+) -> LayerTime:
+    """Forward time of one layer and its collectives (module docstring)."""
+    b = shape.microbatch_size(lay) or 1
+    tokens, s, t, d, hd = b * shape.seq / lay.sp, shape.seq, lay.tp, model.d_model, model.hd
+    q = model.n_heads * hd / t
+    kv = kv_heads_local(model, lay) * hd
+    ff = model.d_ff / t * (2 if model.mlp == "swiglu" else 1)
+    mats = [(tokens, d, q + 2 * kv), (tokens, q, d), (tokens, d, ff), (tokens, model.d_ff / t, d)]
+    secs, flops = zip(*(_matmul(hw, *x) for x in mats), strict=True)
+    eff = sum(flops) / sum(secs) / hw.peak_flops_bf16
+    ring = lay.sp > 1 and lay.sp_mode == "ring"
+    visible = (lay.sp + 1) / (2 * lay.sp) if ring else 1.0  # ring skips fully masked blocks
+    if ex.attention == "blockwise":  # masked blocks skipped: half of a causal s×s
+        attn = 2 * tokens * s * q / (hw.peak_flops_bf16 * matmul_efficiency(hw, s))
+    else:
+        attn_flops = 4 * tokens * s * q * visible
+        scores = tokens * s * model.n_heads / t * ex.score_bytes * visible
+        attn = attn_flops / (hw.peak_flops_bf16 * matmul_efficiency(hw, hd)) + scores / hw.hbm_bw
+    res = block_residuals(model, lay, s, "blockwise", "none")
+    act_bytes = (
+        res.bytes(tokens, DTYPE_BYTES[lay.compute_dtype])
+        - res.weights * DTYPE_BYTES[lay.compute_dtype]
     )
-    return EFF_MAX * g / (g + EFF_HALF)
+    elementwise = elementwise_passes * act_bytes / hw.hbm_bw
+    tp = TR.tp_traffic(model, lay, shape)
+    sp = TR.sp_traffic(model, lay, shape)
+    tp_bw, sp_bw = link_bw(hw, 1, lay.tp), link_bw(hw, lay.tp, lay.sp)
+    hide = 1.0 - ex.overlap_tp
+    return LayerTime(
+        compute=sum(secs) + attn + elementwise,
+        tp_fwd=tp["forward"] / tp_bw * hide,
+        tp_bwd=(tp["backward"] - (tp["forward"] if lay.remat == "full" else 0)) / tp_bw * hide,
+        sp_fwd=sp["forward"] / sp_bw,
+        sp_bwd=(sp["backward"] - (sp["forward"] if lay.remat == "full" else 0)) / sp_bw,
+        efficiency=eff,
+    )
+
+
+def head_time(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape) -> float:
+    """Head matmul, fp32 loss work and backward of one micro-batch (last pipeline stage)."""
+    b = shape.microbatch_size(lay) or 1
+    tokens, vocab = b * shape.seq / lay.sp, model.vocab_size / lay.tp
+    fwd, _ = _matmul(hw, tokens, model.d_model, vocab)
+    loss = 6 * tokens * vocab * 4 / hw.hbm_bw  # logits, softmax and its gradient in fp32
+    return 3 * fwd + loss
+
+
+def action_costs(
+    lay: LayoutConfig, executor: Executor = JAXPAR, lt: LayerTime | None = None
+) -> ActionCosts:
+    """F, B, I, W of a stage in units of its forward (communication included when ``lt``)."""
+    full = lay.remat == "full"
+    if lt is None:
+        r = 1.0 if full else 0.0
+        i = executor.i_cost + (r if executor.recompute_in_i else 0.0)
+        return ActionCosts(b=2.0 + r, i=i, w=executor.w_cost)
+    f = lt.compute + lt.tp_fwd + lt.sp_fwd
+    bwd_comm = lt.tp_bwd + lt.sp_bwd
+    recompute = f if full else 0.0
+    b = 2 * lt.compute + bwd_comm + recompute
+    i = executor.i_cost * lt.compute + bwd_comm + (recompute if executor.recompute_in_i else 0)
+    return ActionCosts(b=b / f, i=i / f, w=executor.w_cost * lt.compute / f)
 
 
 def step_cost(
@@ -83,100 +150,55 @@ def step_cost(
     hw: HardwareConfig,
     lay: LayoutConfig,
     shape: Shape,
-    makespan_over_busy: float = 1.0,
-    ticks: int = 1,
+    executor: Executor = JAXPAR,
+    activation_host_bytes: float = 0.0,
+    elementwise_passes: float = ELEMENTWISE_PASSES,
 ) -> Cost:
-    """Cost terms of ``lay`` (pipeline figures from :mod:`jaxpar.planner.pipe`)."""
-    b = shape.microbatch_size(lay) or 1
-    s, h, m = shape.seq, model.d_model, lay.microbatches
-    n = lay.n_devices
-    cdt, rdt = T.DTYPE_BYTES[lay.compute_dtype], T.DTYPE_BYTES[lay.reduce_dtype]
-    layers = model.n_layers / lay.pp
-    tokens_mb = b * s / lay.sp
-    eff = efficiency(model, lay, tokens_mb)
-    flops = T.train_flops_per_token(model, s) * shape.global_batch * s / n
-    compute = flops / (hw.peak_flops_bf16 * eff)
-    layer_flops = (flops - 6 * model.vocab_size * h * shape.global_batch * s / n) / 3
-    if lay.remat == "full":
-        recompute = layer_flops / (hw.peak_flops_bf16 * eff)
-    elif lay.remat == "selective":
-        attn = 4 * model.n_layers * h * s * shape.global_batch * s / n
-        recompute = attn / (hw.peak_flops_bf16 * eff)
-    else:
-        recompute = 0.0
+    """Cost terms of ``lay`` on ``hw`` (module docstring)."""
+    lt = layer_time(model, hw, lay, shape, executor, elementwise_passes)
+    layers, m = model.n_layers // lay.pp, lay.microbatches
+    full = lay.remat == "full"
+    f_stage = layers * (lt.compute + lt.tp_fwd + lt.sp_fwd)
+    head = head_time(model, hw, lay, shape)
+    costs = action_costs(lay, executor, lt)
+    pf = None
     flags: list[str] = []
-    traffic = {"intra": 0.0, "inter": 0.0, "host": 0.0}
-
-    tp_comm = 0.0
-    if lay.tp > 1:
-        link = link_of(hw, 1, lay.tp)
-        per = T.tp_comm_elements_per_layer(b, s // lay.sp, h, lay.tp, lay.sequence_parallel)
-        factor = 1.5 if lay.remat == "full" else 1.0
-        nbytes = per["elements"] * factor * cdt * layers * m
-        traffic[link] += nbytes
-        tp_comm = nbytes / _bw(hw, link)
-        if link == "inter":
-            flags.append(f"TP across nodes: tp={lay.tp} > {hw.devices_per_node} devices per node")
-
-    sp_comm = 0.0
-    if lay.sp > 1:
-        link = link_of(hw, lay.tp, lay.sp)
-        kv = model.n_kv_heads * model.hd
-        if lay.sp_mode == "ring":
-            el = T.ring_attention_comm_elements_per_layer(b * s, kv // max(1, lay.tp), lay.sp)
-            elements = el["elements"]
-        else:
-            el = T.ulysses_comm_elements_per_layer(b * s, h // lay.tp, lay.sp, kv // lay.tp or 1)
-            elements = el["wire"]
-        nbytes = elements * cdt * layers * m
-        traffic[link] += nbytes
-        sp_comm = nbytes / _bw(hw, link)
-        if link == "inter":
-            flags.append(f"sequence parallelism across nodes: sp·tp={lay.sp * lay.tp}")
-
+    compute = m * (layers * 3 * lt.compute + head)
+    recompute = m * layers * lt.compute if full else 0.0
+    tp_comm = m * layers * (lt.tp_fwd + lt.tp_bwd + (lt.tp_fwd if full else 0.0))
+    sp_comm = m * layers * (lt.sp_fwd + lt.sp_bwd + (lt.sp_fwd if full else 0.0))
     busy = compute + recompute + tp_comm + sp_comm
-    bubble = busy * (makespan_over_busy - 1.0)
-
+    bubble = 0.0
+    traffic = {"intra": 0.0, "inter": 0.0, "host": 0.0}
     pp_p2p = 0.0
     if lay.pp > 1:
-        link = link_of(hw, lay.dp * lay.sp * lay.tp, lay.pp)
-        per = T.pp_p2p_elements(b, s // lay.sp, h, lay.tp, lay.sequence_parallel) * cdt
-        nbytes = 2 * per * ticks
-        traffic[link] += nbytes
-        pp_p2p = nbytes / _bw(hw, link)
-
+        pf = figures(lay.schedule, lay.pp, m, lay.virtual, costs, executor.lockstep)
+        bubble = max(0.0, (pf.makespan - pf.busy) * f_stage)
+        stride = lay.dp * lay.sp * lay.tp
+        nbytes = pf.sends * TR.pp_message_bytes(model, lay, shape)
+        traffic["inter" if crosses_nodes(hw, stride, lay.pp) else "intra"] += nbytes
+        pp_p2p = nbytes / link_bw(hw, stride, lay.pp)
+    for name, stride, size, nbytes in (
+        ("tp", 1, lay.tp, TR.tp_traffic(model, lay, shape)["total"]),
+        ("sp", lay.tp, lay.sp, TR.sp_traffic(model, lay, shape)["total"]),
+    ):
+        inter = crosses_nodes(hw, stride, size)
+        traffic["inter" if inter else "intra"] += nbytes
+        if inter:
+            flags.append(f"{name} group of {size} spans nodes ({hw.devices_per_node} per node)")
     dp_comm = 0.0
     if lay.dp > 1:
-        link = link_of(hw, lay.sp * lay.tp, lay.dp)
-        psi = T.param_shard_count(model, lay)["local"]
-        elements = T.dp_comm_elements(psi, lay.dp, lay.zero)
-        if lay.zero == 3 and lay.pp > 1:
-            elements = (2 * m + 1) * psi * T.ring_factor(lay.dp)
-            flags.append(
-                f"ZeRO-3 inside a pipeline regathers the params every micro-batch "
-                f"({2 * m + 1}Ψ instead of 3Ψ per step)"
-            )
-        nbytes = elements * rdt
-        traffic[link] += nbytes
-        hide = DP_OVERLAP * (compute + recompute) * (1.0 if lay.zero == 3 else 2 / 3)
-        dp_comm = max(0.0, nbytes / _bw(hw, link) - hide)
-
-    offload = 0.0
-    if lay.offload != "none":
-        shard = T.param_shard_count(model, lay)
-        nbytes = 4 * shard["grads"] + 4 * shard["params"]
-        if lay.offload == "params":
-            nbytes += 4 * shard["params"] * m
-        traffic["host"] += nbytes
-        offload = nbytes / hw.host_to_device_bw
-    if lay.remat == "offload":
-        # activations go to host in the forward and come back for the backward
-        from jaxpar.planner.memory import layer_bytes
-
-        nbytes = 2 * layer_bytes(model, lay, s, b) * layers * m
-        traffic["host"] += nbytes
-        offload += nbytes / hw.host_to_device_bw
-
+        stride = lay.sp * lay.tp
+        dp = TR.dp_traffic(model, lay)
+        traffic["inter" if crosses_nodes(hw, stride, lay.dp) else "intra"] += dp["total_bytes"]
+        backward = m * layers * 2 * lt.compute
+        window = backward + (m * layers * lt.compute if lay.zero >= 1 else 0.0)
+        if lay.pp > 1:
+            window = window * lay.virtual / m  # the last micro-batch of each chunk
+        dp_time = dp["total_bytes"] / link_bw(hw, stride, lay.dp)
+        dp_comm = max(0.0, dp_time - executor.overlap_dp * window)
+    host = TR.host_traffic(model, lay, shape, activation_host_bytes)
+    traffic["host"] += host
     terms = {
         "compute": compute,
         "recompute": recompute,
@@ -185,6 +207,7 @@ def step_cost(
         "bubble": bubble,
         "pp_p2p": pp_p2p,
         "dp_comm": dp_comm,
-        "offload": offload,
+        "offload": host / hw.host_to_device_bw,
     }
-    return Cost(terms, traffic, eff, flags)
+    del busy
+    return Cost(terms, traffic, lt.efficiency, pf, flags)

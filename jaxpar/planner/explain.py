@@ -40,10 +40,20 @@ def summary(c: Candidate, model: ModelConfig, hw: HardwareConfig, shape: M.Shape
         "tflops_per_device": flops / 1e12,
         "mfu": flops / hw.peak_flops_bf16,
         "matmul_efficiency": c.cost.efficiency,
+        "pipeline": _pipeline(c),
         "bubble_fraction": c.bubble,
         "traffic_bytes_per_device": dict(c.cost.traffic),
         "flags": list(c.flags),
     }
+
+
+def _pipeline(c: Candidate) -> dict | None:
+    """Schedule-library figures of a pipeline layout (None without one)."""
+    pf = c.cost.pipe
+    if pf is None:
+        return None
+    return {"makespan_over_busy": pf.makespan / pf.busy, "ticks": pf.ticks,
+            "peak_stashes": list(pf.peak_stashes), "sends": pf.sends}  # fmt: skip
 
 
 def why_loses(alt: Candidate, best: Candidate) -> str:
@@ -105,6 +115,7 @@ def render(result: dict[str, Any]) -> str:
 def _layout_text(lay: dict) -> str:
     extra = f" {lay['schedule']} v={lay['virtual']}" if lay["pp"] > 1 else ""
     sp = " +SP" if lay.get("sequence_parallel") else ""
+    sp += f" ({lay['sp_mode']})" if lay.get("sp_mode") else ""
     return (
         f"dp={lay['dp']} tp={lay['tp']}{sp} pp={lay['pp']} sp={lay['sp']} zero={lay['zero']}"
         f"{extra} micro-batch {lay['microbatch_size']}×{lay['microbatches']} "

@@ -1,43 +1,48 @@
-"""Per-device memory of a layout, as jaxpar stores it (and in the ZeRO paper's convention).
+"""Per-device memory of a layout as the compiled train step holds it.
 
-Breakdown (bytes, the most loaded device — the first pipeline rank):
+One function, :func:`memory`, that ``jaxpar memory``, ``jaxpar plan``, the search and the tests
+all call. Breakdown (bytes on the most loaded device; ``host`` apart):
 
-* ``params``, ``grads``, ``optimizer``: :func:`jaxpar.analysis.theory.stored_model_states` —
-  what jaxpar holds: params and grads in ``param_dtype`` (fp32), optax Adam m and v in fp32,
-  each sharded per tensor by tp/pp and by ZeRO over dp. Offload moves the optimizer (and with
-  ``offload=params`` the params too) to host memory.
-* ``activations``: the stashes of jaxpar's own decoder block (not Korthikanti's fused-kernel
-  figure): jaxpar's attention is unfused, so its fp32 logits and probabilities (a·s per token
-  each) are stored. Values per token per layer, by what is kept for the backward:
+* ``params``, ``optimizer``: what rests in the state arguments — params in ``param_dtype``
+  and optax Adam's m and v, each sharded per tensor exactly as the trainer shards it
+  (:mod:`jaxpar.planner.shapes`); ZeRO shards the optimizer from stage 1 and the params at 3.
+  ``offload`` moves the optimizer (and with ``params`` the params) to host memory.
+* ``grads``: the gradient of one micro-batch before the data-parallel reduction (full local
+  size: stages 0-2 reduce after the backward; ZeRO-3 reduce-scatters each layer's gradient
+  inside the backward, so a shard plus one layer) plus ``grad_accum`` (with micro-batches: full
+  at stages 0/1, a shard at 2/3) and ``update``: the optimizer's temporaries, a share of the
+  optimizer shard.
+* ``activations``: the block's residuals (:mod:`jaxpar.planner.activations`) × layers per
+  stage × stashes in flight (the schedule library's peak), plus while recomputing (remat
+  ``selective``/``full``) a share of one layer's un-rematerialised residuals, and ZeRO-3's
+  gathered weights of the layer being computed.
+* ``head``: the loss's fp32 logits-sized buffers (``dense``), or a chunk of them.
+* ``pipeline``: the executor's message slots, the embedded micro-batches and their
+  cotangents, and the replicated head/embedding gradient accumulator (pp > 1).
 
-  - ``remat=none``: layer input, two norm outputs, attention output and MLP input (5d, split
-    by tp only under sequence parallelism), q/k/v and the roped q/k (2d + 3·kv), the attention
-    context (d), the MLP's four ff-wide tensors (SwiGLU; GELU two), and 2·a·s scores in fp32
-    (all but the replicated d terms split by tp);
-  - ``selective`` (``checkpoint_dots``): matmul outputs only — q, k, v, scores, context, the
-    two projections' outputs and the MLP matmuls;
-  - ``full``: the layer input (d), plus one layer's worth of recompute transient at a time.
-
-  ×``ACT_OVERHEAD`` (XLA's extra copies, calibrated once on one device: 5 compiles of the test
-  model, see BENCHMARKS.md), × layers per stage × in-flight stashes (schedule library), ÷ sp.
-* ``head``: logits-sized workspace of the loss (fp32 logits, log-softmax, their gradients:
-  ``HEAD_COPIES`` × tokens × V/tp × 4 bytes) plus 4·d·4 bytes per token, one micro-batch.
-
-Not modelled: XLA's fragmentation, pipeline receive buffers, collectives' scratch space.
+The ``XLA_*`` constants are what XLA's buffer assignment adds over the counted tensors; they
+were calibrated once on one device (15 compiles of the test model varying layers, vocabulary,
+batch and sequence under each remat policy: ``scripts/make_benchmarks.py --calibrate-memory``)
+and are checked on the multi-device layouts of BENCHMARKS.md, none of which they were fitted
+on.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from jaxpar.analysis import theory as T
+from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import LayoutConfig, ModelConfig
+from jaxpar.planner.activations import block_residuals
+from jaxpar.planner.executor import JAXPAR, Executor
+from jaxpar.planner.pipe import PipeFigures, figures
+from jaxpar.planner.shapes import param_counts
 
-ACT_OVERHEAD = 1.22  # measured XLA copies over the counted stash (test model, one device)
-HEAD_COPIES = 6  # fp32 logits-sized buffers alive at the loss (measured, one device)
-FULL_TRANSIENT = 0.25  # share of one un-rematerialised layer alive while recomputing (measured)
-BYTES = T.DTYPE_BYTES
+OPT_SCALAR_BYTES = 8  # optax Adam's step count and the schedule's count (int32 each)
+XLA_UPDATE = 0.0  # optimizer temporaries, share of the optimizer shard (calibrated)
+XLA_HEAD = 2.46  # fp32 logits-sized buffers alive at the loss (calibrated)
+XLA_RECOMPUTE = 0.69  # share of one un-rematerialised layer alive while recomputing (calibrated)
+XLA_BACKWARD = 0.06  # share of one layer's residuals alive as backward transients (calibrated)
 
 
 @dataclass(frozen=True)
@@ -55,81 +60,86 @@ class Shape:
         return per_dp // lay.microbatches
 
 
-def layer_values_per_token(model: ModelConfig, lay: LayoutConfig, seq: int) -> tuple[float, float]:
-    """(compute-dtype values, fp32 values) one layer keeps per token per device."""
-    d, t, s = model.d_model, lay.tp, seq
-    kv = model.n_kv_heads * model.hd
-    kv_t = kv / t if model.n_kv_heads % t == 0 else kv
-    ff = model.d_ff / t
-    n_ff = 4 if model.mlp == "swiglu" else 2
-    scores = model.n_heads / t * s  # a·s per token, per tp shard
-    rep = d / t if lay.sequence_parallel else d
-    if lay.remat == "full":
-        return rep, 0.0
-    if lay.remat == "selective":
-        # q, k, v, context, attention-out, MLP up/gate, MLP down; scores (fp32 logits)
-        return d / t + 2 * kv_t + d / t + 2 * rep + (n_ff // 2) * ff, scores
-    return 5 * rep + 3 * d / t + 3 * kv_t + n_ff * ff, 2 * scores
+def pipe_figures(lay: LayoutConfig, executor: Executor = JAXPAR) -> PipeFigures:
+    """The schedule library's figures for ``lay`` (see :mod:`jaxpar.planner.pipe`)."""
+    from jaxpar.planner.cost import action_costs
 
-
-def layer_bytes(model: ModelConfig, lay: LayoutConfig, seq: int, b: int) -> float:
-    """Activation bytes one layer stashes for one micro-batch of ``b`` sequences."""
-    cval, fval = layer_values_per_token(model, lay, seq)
-    tokens = b * seq / lay.sp
-    return ACT_OVERHEAD * tokens * (cval * BYTES[lay.compute_dtype] + fval * 4)
-
-
-_STATES: dict[tuple, dict[str, float]] = {}
-
-
-def _states(model: ModelConfig, lay: LayoutConfig, zero: int) -> dict[str, float]:
-    """:func:`theory.stored_model_states`, memoised (the search asks for it ~10⁵ times)."""
-    key = (model.n_layers, model.d_model, model.n_heads, model.n_kv_heads, model.d_ff,
-           model.vocab_size, model.hd, model.mlp, model.tied_embeddings, lay.tp, lay.pp,
-           lay.dp, lay.dp_shard, zero, lay.param_dtype)  # fmt: skip
-    if key not in _STATES:
-        if len(_STATES) > 100_000:
-            _STATES.clear()
-        _STATES[key] = T.stored_model_states(model, dataclasses.replace(lay, zero=zero))
-    return _STATES[key]
+    costs = action_costs(lay, executor)
+    return figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, executor.lockstep)
 
 
 def memory(
-    model: ModelConfig, lay: LayoutConfig, shape: Shape, peak_stashes: int
+    model: ModelConfig,
+    lay: LayoutConfig,
+    shape: Shape,
+    executor: Executor = JAXPAR,
+    pipe: PipeFigures | None = None,
 ) -> dict[str, float]:
-    """Per-device bytes by kind (see the module docstring) and ``total``.
-
-    ``peak_stashes``: most (stage, micro-batch) activations alive on one rank (1 without a
-    pipeline); each stash holds ``n_layers / (pp·virtual)`` layers.
-    """
-    st = _states(model, lay, lay.zero)
-    params, grads, opt = st["params"], st["grads"], st["optimizer"]
+    """Per-device bytes by kind (see the module docstring), ``total`` and ``host``."""
+    pc = param_counts(model, lay)
+    wp, wc = DTYPE_BYTES[lay.param_dtype], DTYPE_BYTES[lay.compute_dtype]
+    params = wp * pc.held("params")
+    opt = 2 * wp * pc.held("optimizer") + OPT_SCALAR_BYTES
     host = 0.0
     if lay.offload in ("optimizer", "params"):
-        host += opt
-        opt = 0.0
+        host, opt = host + opt, 0.0
     if lay.offload == "params":
-        host += params
-        params = 0.0
+        host, params = host + params, 0.0
+    pipe = pipe or pipe_figures(lay, executor)
     b = shape.microbatch_size(lay) or 1
-    per_layer = layer_bytes(model, lay, shape.seq, b)
-    chunk_layers = model.n_layers / (lay.pp * lay.virtual)
-    acts = per_layer * chunk_layers * peak_stashes
-    if lay.remat == "full":
-        full = dataclasses.replace(lay, remat="none")
-        acts += FULL_TRANSIENT * layer_bytes(model, full, shape.seq, b)
-    if lay.remat == "offload":
-        acts = 0.0
-    tokens = b * shape.seq / lay.sp
-    head = tokens * (HEAD_COPIES * model.vocab_size / lay.tp * 4 + 4 * model.d_model * 4)
-    accum = _states(model, lay, 0)["grads"]
+    tokens = b * shape.seq / lay.sp  # local tokens of one micro-batch
+    layers = model.n_layers // lay.pp
+    chunk = model.n_layers // (lay.pp * lay.virtual)
+
+    remat = lay.remat  # one meaning per setting on every layout (jaxpar.train.remat)
+    res = block_residuals(model, lay, shape.seq, executor.attention, remat)
+    per_layer = res.bytes(tokens, wc)
+    acts = per_layer * chunk * max(pipe.peak_stashes) if lay.pp > 1 else per_layer * layers
+
+    def layer_bytes(policy: str) -> float:
+        return block_residuals(model, lay, shape.seq, executor.attention, policy).bytes(tokens, wc)
+
+    if remat == "offload":  # the matmul outputs of every layer park on the host
+        host += layer_bytes("selective") * layers * pipe.peak_stashes[0]
+    full_layer = layer_bytes("none")
+    if remat in ("selective", "full"):
+        acts += XLA_RECOMPUTE * full_layer
+    else:
+        acts += XLA_BACKWARD * full_layer
+    if lay.zero == 3:
+        # The embedding and head tables are gathered whole (their layers are not scanned).
+        acts += wc * (pc.local - pc.local_of("layers"))
+
+    grads = wp * (pc.sharded if lay.zero == 3 else pc.local)
+    accum = 0.0
+    if lay.microbatches > 1 and lay.pp == 1:
+        accum = wp * (pc.sharded if lay.zero >= 2 else pc.local)
+    update = XLA_UPDATE * wp * pc.held("optimizer") * 2
+
+    head = 0.0
+    vocab = model.vocab_size / lay.tp
+    head_tokens = tokens if executor.loss == "dense" else min(tokens, executor.loss_chunk)
+    head = XLA_HEAD * 4 * head_tokens * vocab
+
+    pipeline = 0.0
+    if lay.pp > 1:
+        msg = wc * tokens * model.d_model / (lay.tp if lay.sequence_parallel else 1)
+        n_act, n_grad, n_stash = pipe.slots
+        pipeline += msg * (n_act + n_grad + n_stash)  # receive slots and the cotangent slots
+        pipeline += 2 * msg * lay.microbatches  # embedded micro-batches and their cotangents
+        pipeline += wp * (pc.local - pc.local_of("layers"))  # head/embedding grads accumulator
+        # The scan carries the stashes and the gradient accumulators (Executor.carry_copies).
+        pipeline += executor.carry_copies * (acts + pipeline + grads)
     out = {
+        "batch": 4 * (shape.global_batch // lay.dp) * (shape.seq + 1),  # int32 tokens shard
         "params": params,
         "grads": grads,
-        "grad_accum": accum if lay.microbatches > 1 else 0.0,
+        "grad_accum": accum,
         "optimizer": opt,
+        "update": update,
         "activations": acts,
         "head": head,
+        "pipeline": pipeline,
     }
     out["total"] = sum(out.values())
     out["host"] = host
@@ -138,5 +148,7 @@ def memory(
 
 def paper_model_states(model: ModelConfig, lay: LayoutConfig) -> dict[str, float]:
     """The ZeRO paper's convention (bf16 params and grads, K = 12) for the same tp/pp shard."""
-    local = T.param_shard_count(model, lay)["local"]
-    return T.zero_model_states(local, lay.dp_shard or lay.dp, lay.zero)
+    from jaxpar.analysis.theory import zero_model_states
+
+    pc = param_counts(model, lay)
+    return zero_model_states(pc.local, pc.zero_shards, lay.zero)

@@ -1,14 +1,19 @@
-"""Pipeline figures for the planner, from the schedule library (cached, extrapolated in m).
+"""The planner's one adapter to the schedule library (:mod:`jaxpar.pipeline`).
 
-The planner needs, per (schedule, p, m, v): the lock-step bubble fraction (jaxpar's executor
-runs the tick table in lock step), the number of ticks (one point-to-point exchange each) and the
-peak number of stashed (stage, micro-batch) activations on the busiest rank. Building a schedule
-with many micro-batches costs tens of milliseconds, so figures for ``m`` beyond ``2p`` are
-extrapolated from ``m0 = 2p + m mod p``: past the warm-up the steady phase repeats, so each extra
-period of ``p`` micro-batches adds a fixed makespan and tick count (measured from the exact
-figures at ``m0`` and ``m0 + p``: lock-step ticks last as long as their slowest action, so the
-steady increment is not just the work), while the fill/drain idle time and the peak stash count
-stay fixed (GPipe's peak, m·v, is the exception). Tested against exact figures.
+Everything the cost model knows about a pipeline comes from the library's own tables and timing
+functions, called here with the real per-action costs: the lock-step makespan (a tick lasts as
+long as its slowest rank's work, which is how jaxpar's executor runs the table) or the
+asynchronous one (other frameworks' runtimes), the ticks, the messages each rank sends, the
+peak stashes per rank and the executor's buffer slots. When the library changes how it builds
+its tables (fused ticks: one F and one B per rank and tick), the planner sees the new figures
+without a model of its own. The library's function names appear only in :func:`_measure`.
+
+Building a schedule with many micro-batches costs tens of milliseconds, so figures for ``m``
+beyond ``2p`` are extrapolated from ``m0 = 2p + m mod p``: past the warm-up the steady phase
+repeats, so each extra period of ``p`` micro-batches adds a fixed makespan, tick count and
+message count (measured from the exact figures at ``m0`` and ``m0 + p``), while the fill and
+drain and the peak stash count stay fixed (GPipe's peak, m·v, grows: taken as such). Tested
+against the exact figures.
 """
 
 from __future__ import annotations
@@ -17,25 +22,43 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline.generators import check_arguments
-from jaxpar.pipeline.schedules import make_schedule
 
-WORK_PER_MB = 3.0  # f + i + w (or f + b) per micro-batch per rank, in forward units
+
+@dataclass(frozen=True)
+class ActionCosts:
+    """Time of each action of one full stage (all its layers) in units of its forward F.
+
+    ``b``: a full backward (2, or 3 when the forward is recomputed); ``i``/``w``: the two halves
+    of a split backward (input gradient, weight gradient) for zero-bubble schedules.
+    """
+
+    b: float = 2.0
+    i: float = 1.0
+    w: float = 1.0
 
 
 @dataclass(frozen=True)
 class PipeFigures:
-    """What the cost model takes from a schedule."""
+    """What the cost model takes from one schedule (times in units of a full stage's F)."""
 
-    bubble_fraction: float  # idle share of the step (lock-step table, or asynchronous)
-    makespan_over_busy: float  # lock-step makespan / per-rank busy time (1 / (1 - bubble))
-    ticks: int  # lock-step ticks (each carries one p2p exchange per rank)
-    peak_stashes: int  # most (stage, micro-batch) activations alive on one rank
+    makespan: float  # one step of the pipeline, lock-step or asynchronous
+    busy: float  # work of the busiest rank (m·(F + B) in these units)
+    ticks: int  # rows of the tick table (the executor's scan length)
+    sends: int  # point-to-point messages the busiest rank sends per step (each way counted)
+    peak_stashes: tuple[int, ...]  # per rank: most (stage, micro-batch) stashes alive at once
+    slots: tuple[int, int, int]  # executor buffers: activation, cotangent and stash slots
     extrapolated: bool
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the step on the busiest rank."""
+        return 1.0 - self.busy / self.makespan
 
 
 def schedule_error(kind: str, p: int, m: int, v: int) -> str | None:
     """One-line reason the schedule library refuses (kind, p, m, v), else None."""
+    from jaxpar.pipeline.generators import check_arguments
+
     try:
         check_arguments(kind, p, m, v)
     except ConfigError as e:
@@ -43,38 +66,66 @@ def schedule_error(kind: str, p: int, m: int, v: int) -> str | None:
     return None
 
 
-@lru_cache(maxsize=4096)
-def _exact(kind: str, p: int, m: int, v: int, lockstep: bool) -> tuple[float, int, int]:
+@lru_cache(maxsize=1024)
+def _table(kind: str, p: int, m: int, v: int) -> tuple:
+    """The schedule and what depends only on its order: ticks, sends, peaks, slots."""
+    import numpy as np
+
+    from jaxpar.pipeline.schedules import make_schedule
+    from jaxpar.pipeline.tables import SEND_LOCAL, SEND_NONE
+
     sched = make_schedule(kind, p, m, v)
-    st = sched.stats(f=1.0, i=1.0, w=1.0)
+    arrays = sched.as_arrays()
+    send = arrays["send"]
+    remote = ((send != SEND_NONE) & (send != SEND_LOCAL)).sum(axis=0)
+    slots = tuple(int(arrays[f"n_{b}_slots"]) for b in ("act", "grad", "stash"))
+    st = sched.stats()
+    return sched, st.lockstep_ticks, int(np.max(remote)), tuple(st.peak_inflight), slots
+
+
+@lru_cache(maxsize=8192)
+def _measure(kind: str, p: int, m: int, v: int, costs: ActionCosts, lockstep: bool) -> tuple:
+    sched, ticks, sends, peaks, slots = _table(kind, p, m, v)
+    st = sched.stats(f=1.0, b=costs.b, i=costs.i, w=costs.w)
     makespan = st.lockstep_makespan if lockstep else st.makespan
-    return makespan, st.lockstep_ticks, max(st.peak_inflight)
+    return makespan, st.busy_per_rank, ticks, sends, peaks, slots
 
 
 @lru_cache(maxsize=65536)
 def figures(
-    kind: str, p: int, m: int, v: int, exact: bool = False, lockstep: bool = True
+    kind: str,
+    p: int,
+    m: int,
+    v: int,
+    costs: ActionCosts = ActionCosts(),
+    lockstep: bool = True,
+    exact: bool = False,
 ) -> PipeFigures:
     """Figures of schedule ``kind`` with ``p`` ranks, ``m`` micro-batches, ``v`` chunks per rank.
 
-    ``lockstep``: time the tick table as jaxpar's executor runs it (each tick as long as its
-    slowest action); ``False`` gives the asynchronous (event-driven) makespan other frameworks
-    approach, used when comparing with published results.
-
-    ``p == 1`` (no pipeline): no bubble, one tick per micro-batch, one stash at a time.
-    Raises :class:`ConfigError` for combinations the library refuses.
+    ``lockstep``: time the tick table as jaxpar's executor runs it; ``False`` gives the
+    asynchronous (event-driven) makespan other frameworks approach. ``p == 1``: no pipeline
+    (one stash, no bubble, one tick per micro-batch). Raises :class:`ConfigError` for
+    combinations the library refuses.
     """
     if p == 1:
-        return PipeFigures(0.0, 1.0, m, 1, False)
-    check_arguments(kind, p, m, v)
+        busy = m * (1.0 + costs.b)
+        return PipeFigures(busy, busy, m, 0, (1,), (0, 0, 1), False)
+    err = schedule_error(kind, p, m, v)
+    if err:
+        raise ConfigError(err)
     m0 = m if exact or m <= 2 * p else 2 * p + m % p
-    makespan, ticks, peak = _exact(kind, p, m0, v, lockstep)
+    # Timing is piecewise linear in the cost ratios: two decimals keep the cache small.
+    costs = ActionCosts(round(costs.b, 2), round(costs.i, 2), round(costs.w, 2))
+    makespan, busy, ticks, sends, peaks, slots = _measure(kind, p, m0, v, costs, lockstep)
     extra = m - m0
     if extra:
-        mk2, t2, _ = _exact(kind, p, m0 + p, v, lockstep)
-        makespan += (mk2 - makespan) * extra / p
-        ticks += round((t2 - ticks) * extra / p)
+        mk2, busy2, t2, s2, _, _ = _measure(kind, p, m0 + p, v, costs, lockstep)
+        periods = extra / p
+        makespan += (mk2 - makespan) * periods
+        busy += (busy2 - busy) * periods
+        ticks += round((t2 - ticks) * periods)
+        sends += round((s2 - sends) * periods)
     if kind == "gpipe":
-        peak = m * v
-    busy = m * WORK_PER_MB
-    return PipeFigures(1.0 - busy / makespan, makespan / busy, ticks, peak, extra > 0)
+        peaks = tuple(m * v for _ in peaks)
+    return PipeFigures(makespan, busy, ticks, sends, peaks, slots, extra > 0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -11,15 +10,17 @@ from jaxpar.errors import ConfigError
 from jaxpar.planner import explain as X
 from jaxpar.planner import memory as M
 from jaxpar.planner import search as S
-from jaxpar.planner.pipe import schedule_error
 from jaxpar.report import human_bytes
 
 HARDWARE_NEEDED = (
     "device_memory_bytes",
     "peak_flops_bf16",
+    "hbm_bw",
     "intra_node_bw",
-    "inter_node_bw",
     "devices_per_node",
+    "nics_per_node",
+    "nic_bw",
+    "matmul_efficiency",
 )
 
 
@@ -38,18 +39,27 @@ def check_hardware(raw: dict[str, Any] | None, mesh: C.MeshConfig) -> None:
         )
     for k in (*HARDWARE_NEEDED, "host_to_device_bw"):
         v = getattr(mesh.hardware, k)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+        if k == "matmul_efficiency":
+            _check_curve(mesh.name, v)
+        elif not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
             raise ConfigError(f"mesh {mesh.name!r}: hardware.{k}={v!r}: must be a positive number")
 
 
+def _check_curve(name: str, curve) -> None:
+    ok = isinstance(curve, list) and curve and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p)
+        and p[0] >= 1 and 0 < p[1] <= 1 for p in curve
+    )  # fmt: skip
+    if not ok or [p[0] for p in curve] != sorted(p[0] for p in curve):
+        raise ConfigError(
+            f"mesh {name!r}: hardware.matmul_efficiency={curve!r}: must be [[size, share], ...] "
+            "with sizes >= 1 ascending and shares in (0, 1]"
+        )
+
+
 def check_layout(cfg: C.RunConfig) -> None:
-    """Refuse a layout that cannot run (config rules + schedule rules), one line."""
+    """Refuse a layout that cannot run (``config.validate``: the trainer's own rules)."""
     C.validate(cfg, n_devices=cfg.mesh.devices)
-    lay = cfg.layout
-    if lay.pp > 1:
-        err = schedule_error(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
-        if err:
-            raise ConfigError(f"layout.schedule={lay.schedule!r}: {err}")
 
 
 def _finish(c: S.Candidate, cfg: C.RunConfig, shape: M.Shape) -> dict:
@@ -91,13 +101,13 @@ def plan(cfg: C.RunConfig, top: int = 3) -> dict:
         raise ConfigError(
             f"train.seq_len={shape.seq}: must be <= model.max_seq_len={model.max_seq_len}"
         )
-    groups: dict[tuple, S.Candidate] = {}
+    groups: dict[tuple, S.Candidate] = {}  # the best of each (dp, tp, pp, sp, schedule) split
     evaluated = 0
     counter: dict[str, int] = {}
     for c in S.candidates(model, hw, n, shape, counter=counter):
         evaluated += 1
         lay = c.layout
-        key = (lay.dp, lay.tp, lay.pp, lay.sp, lay.schedule, lay.virtual)
+        key = (lay.dp, lay.tp, lay.pp, lay.sp, lay.sp_mode, lay.schedule, lay.virtual)
         if key not in groups or _rank(c) < _rank(groups[key]):
             groups[key] = c
     ranked = sorted(groups.values(), key=_rank)
@@ -119,6 +129,7 @@ def plan(cfg: C.RunConfig, top: int = 3) -> dict:
     out["baseline_rule"] = rule
     out["evaluated"] = evaluated
     out["costed"] = counter["costed"]
+    out["refused"] = counter["refused"]
     out["headline"] = head + f": {counter['costed']} layouts costed, {evaluated} fit; recommended:"
     out["best"] = _finish(best, cfg, shape)
     return out
@@ -133,40 +144,41 @@ def _rank(c: S.Candidate) -> tuple[float, float]:
 def _no_fit(cfg: C.RunConfig, shape: M.Shape, head: str, base: S.Candidate | None) -> dict:
     hw, n = cfg.mesh.hardware, cfg.mesh.devices
     lean = S.smallest_shortfall(cfg.model, hw, n, shape)
+    usable = S.usable(hw)
+    if lean["layout"] is None:  # no split runs: batch, heads or layers rule every one out
+        head += (
+            f": NO valid layout — no split of {n} devices that the trainer accepts divides the "
+            f"global batch {shape.global_batch} (or leaves micro-batches a schedule accepts); "
+            "choose a global batch divisible by the device count"
+        )
+        return _verdict(head, None, {}, 0.0, f"a global batch divisible by {n}", base, cfg, shape)
     total = lean["memory"]["total"]
-    usable = hw.device_memory_bytes * S.HEADROOM
     short = total - usable
-    need_mem = total / S.HEADROOM
     # model states dominate the leanest layout and shrink ~1/devices under ZeRO-3
     states = sum(lean["memory"][k] for k in ("params", "grads", "optimizer", "grad_accum"))
     rest = total - states
     more = math.inf if rest >= usable else n * states / (usable - rest)
     more_dev = 2 ** math.ceil(math.log2(more)) if math.isfinite(more) else None
-    suggestion = f"devices with ≥ {human_bytes(need_mem)} memory"
+    suggestion = f"devices with ≥ {human_bytes(total / S.HEADROOM)} memory"
     if more_dev:
         suggestion += f", or about {more_dev} devices of this kind"
     suggestion += ", or a shorter sequence / smaller batch"
-    lay = dataclasses.replace(lean["layout"])
-    if short <= 0:  # memory is not the problem: no split divides the batch or suits a schedule
-        head += (
-            f": NO valid layout — no dp size allowed by {n} devices and the model's shape "
-            f"divides the global batch {shape.global_batch} (or leaves micro-batches a schedule "
-            "accepts); choose a global batch divisible by the device count"
-        )
-        suggestion = f"a global batch divisible by {n}"
-    else:
-        head += (
-            f": NO layout fits. Smallest shortfall {human_bytes(short)} per device (leanest "
-            f"layout needs {human_bytes(total)}, {human_bytes(usable)} usable); would fit with "
-            f"{suggestion}."
-        )
+    head += (
+        f": NO layout fits. Smallest shortfall {human_bytes(short)} per device (leanest "
+        f"layout needs {human_bytes(total)}, {human_bytes(usable)} usable); would fit with "
+        f"{suggestion}."
+    )
+    return _verdict(head, lean["layout"], lean["memory"], short, suggestion, base, cfg, shape)
+
+
+def _verdict(head, lay, mem, short, suggestion, base, cfg, shape) -> dict:
     return {
         "headline": head,
         "fits": False,
         "verdict": "does not fit",
-        "layout": S.layout_dict(lay, shape),
-        "memory_per_device_bytes": total,
-        "memory_breakdown_bytes": {k: v for k, v in lean["memory"].items() if k != "total"},
+        "layout": S.layout_dict(lay, shape) if lay else None,
+        "memory_per_device_bytes": mem.get("total"),
+        "memory_breakdown_bytes": {k: v for k, v in mem.items() if k != "total"},
         "shortfall_bytes": max(short, 0.0),
         "suggestion": suggestion,
         "step_time_s": None,

@@ -1,7 +1,8 @@
 """What lets a run survive: preemption signals, non-finite diagnostics, optional TensorBoard.
 
 - :class:`StopRequest` turns the first SIGTERM/SIGINT into a request the loop honours after the
-  current step (checkpoint, exit 0); a second signal gets the default behaviour (abort).
+  current step (checkpoint, exit 0), agreed across processes in a multi-process run.
+- :class:`Divergence` counts non-finite and blown-up steps against ``train.max_skipped_steps``.
 - :func:`nonfinite_leaves` / :func:`write_nonfinite_report` name what went non-finite.
 - :func:`inject_nonfinite` is the test hook behind ``train.inject_nonfinite_step``.
 - :class:`TensorBoard` writes scalar event files when ``tensorboardX`` is installed.
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import sys
@@ -25,20 +27,28 @@ from jaxpar.report import _clean
 
 
 class StopRequest:
-    """Context manager: SIGTERM/SIGINT set :attr:`signal_name` instead of killing the process.
+    """Context manager: SIGTERM/SIGINT become a request the loop honours between steps.
 
-    The loop polls it between steps. The first signal restores the previous handlers, so a
-    second Ctrl-C raises ``KeyboardInterrupt`` and a second SIGTERM terminates as usual.
-    Outside the main thread (where Python cannot install handlers) it does nothing; nor in a
-    multi-process run (``enabled=False``), where one process stopping alone would leave the
-    others blocked in a collective: there the signals keep their default behaviour until the
-    stop is agreed across processes (not implemented yet).
+    One process: the first signal sets :attr:`signal_name` and restores the previous handlers,
+    so a second Ctrl-C raises ``KeyboardInterrupt`` and a second SIGTERM terminates as usual.
+
+    Several processes (``multi_process=True``): one process stopping alone would leave the
+    others blocked in the step's collectives, so the stop must be agreed. JAX's preemption
+    service does that: its own SIGTERM handler (installed by ``jax.distributed.initialize``)
+    tells the coordination service, which picks the step after the furthest any process has
+    reported, and :func:`jax.experimental.multihost_utils.reached_preemption_sync_point`
+    turns true on every process at that same step. SIGTERM is therefore left to JAX here, and
+    SIGINT (Ctrl-C) is passed on to it as a SIGTERM to this process. The per-step check is a
+    local flag read (no collective; measured in BENCHMARKS.md).
+
+    Outside the main thread (where Python cannot install handlers) it does nothing.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, multi_process: bool = False) -> None:
         self.enabled = enabled
+        self.multi_process = multi_process
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
 
@@ -52,19 +62,90 @@ class StopRequest:
             flush=True,
         )
 
+    def _forward(self, signum: int, frame: Any) -> None:
+        self.signal_name = signal.Signals(signum).name
+        self._restore()
+        print(
+            f"jaxpar: {self.signal_name} received; all processes will stop at an agreed step, "
+            "checkpoint it and exit",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption service
+
     def _restore(self) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # None: the handler was not installed from Python (e.g. by JAX); the default then
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         self._previous = {}
 
     def __enter__(self) -> StopRequest:
         if self.enabled and threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+            if self.multi_process:
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._forward)
+            else:
+                for sig in self.SIGNALS:
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._restore()
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to stop after ``step`` (1-based, the step just done); every process of a
+        multi-process run answers the same at the same step. Call it after every step."""
+        if not self.multi_process:
+            return self.signal_name is not None
+        from jax.experimental import multihost_utils
+
+        if multihost_utils.reached_preemption_sync_point(step):
+            self.signal_name = self.signal_name or "SIGTERM"
+            return True
+        return False
+
+
+class Divergence:
+    """The divergence budget of a run (``train.max_skipped_steps``).
+
+    A step *counts* when its loss or gradient is non-finite (the step itself then keeps the
+    previous state: the update is skipped), or when its loss is finite but above
+    ``factor`` x the run's first loss (a blow-up: the weights have grown without overflowing,
+    e.g. ``lr=1e9``; that update was applied). A loss twice the untrained model's is worse
+    than the model has ever been and does not come back by itself. Counts and the first loss
+    are kept in checkpoints, so a resumed run continues the same budget.
+    """
+
+    def __init__(self, budget: int, factor: float, first_loss: float | None = None,
+                 counted: int = 0) -> None:  # fmt: skip
+        self.budget, self.factor = budget, factor
+        self.first_loss, self.counted = first_loss, counted
+        self.first_step: int | None = None
+
+    def check(self, step: int, loss: float, finite: bool) -> str | None:
+        """Why ``step`` counts against the budget (one phrase), or None."""
+        why = None
+        if not finite:
+            why = "non-finite loss or gradient; update skipped"
+        elif self.first_loss is None:
+            self.first_loss = loss
+        elif self.factor and loss > self.factor * self.first_loss:
+            why = (
+                f"loss {loss:.4g} above {self.factor:g}x the first loss {self.first_loss:.4g} "
+                "(diverging; this update was applied)"
+            )
+        if why is not None:
+            self.counted += 1
+            self.first_step = self.first_step or step
+        return why
+
+    @property
+    def exceeded(self) -> bool:
+        """More steps counted than the budget allows."""
+        return self.counted > self.budget
+
+    def note(self) -> str:
+        """``k of K allowed`` for the warning line."""
+        return f"{self.counted} counted, --max-skipped-steps {self.budget}"
 
 
 def resume_command(argv: list[str] | None = None) -> str:

@@ -16,13 +16,16 @@ import numpy as np
 
 from jaxpar import config as C
 from jaxpar.checkpoint import Checkpointer, CheckpointWarning, check_model_matches
-from jaxpar.data import Batches, load_corpus
+from jaxpar.data import Batches
 from jaxpar.devices import make_mesh
 from jaxpar.errors import CheckpointError, ConfigError
+from jaxpar.lock import LOCK_NAME, RunLock
 from jaxpar.metrics import MetricsLog, Progress, device_memory
 from jaxpar.model.attention import implementation_for
 from jaxpar.profiling import StepProfiler
+from jaxpar.train import load_data
 from jaxpar.train.guard import (
+    Divergence,
     StopRequest,
     TensorBoard,
     nonfinite_leaves,
@@ -58,19 +61,15 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
     """Train as configured and return the run's summary (the ``--json`` object).
 
     ``devices`` defaults to all of JAX's devices; tests pass a subset (e.g. one device for the
-    reference run). Everything is validated before anything is compiled. A SIGTERM/SIGINT ends
-    the run after the current step with a checkpoint (``"preempted"`` in the summary); a
-    non-finite step is skipped or stops the run per ``train.on_nonfinite``.
+    reference run). Everything is validated before anything is compiled, and the checkpoint
+    directory is locked for this run (:mod:`jaxpar.lock`). A SIGTERM/SIGINT ends the run after
+    an agreed step with a checkpoint (``"preempted"`` in the summary); a non-finite or
+    blown-up step is skipped or stops the run per ``train.on_nonfinite`` and the divergence
+    budget ``train.max_skipped_steps``.
     """
     C.validate(cfg, n_devices=len(devices) if devices is not None else cfg.mesh.devices)
     t = cfg.train
-    corpus = load_corpus(t.data, cfg.model.vocab_size, t.data_dtype)
-    if corpus.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size}: smaller than the data's vocabulary "
-            f"({corpus.vocab_size})"
-        )
-    batches = Batches(corpus, t.global_batch, t.seq_len, t.seed)
+    batches = Batches(load_data(cfg), t.global_batch, t.seq_len, t.seed)
     profiler = StepProfiler.from_config(t)
     if t.init_from_hf and t.resume:
         raise ConfigError(
@@ -78,44 +77,92 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
             "checkpoint already holds the weights); drop one of them (--resume-or-start "
             "starts from the weights only when there is no checkpoint)"
         )
-    ckpt, resume_step = _open_checkpoints(cfg)
-    if t.init_from_hf and resume_step is None:
-        from jaxpar.model import hf
+    locks = _lock_outputs(cfg)
+    try:
+        ckpt, resume_step = _open_checkpoints(cfg)
+        if t.init_from_hf and resume_step is None:
+            from jaxpar.model import hf
 
-        hf.check(t.init_from_hf, cfg.model)  # names a mismatching tensor before compiling
-    tb = TensorBoard(t.tensorboard_dir) if t.tensorboard_dir else None
-    devices = _devices_for(cfg, devices)
-    attention = implementation_for(cfg, devices[0])  # refuses e.g. cudnn on CPU, before compiling
-    mesh = make_mesh(cfg.layout, devices)
-    trainer = Trainer(cfg, mesh)
+            hf.check(t.init_from_hf, cfg.model)  # names a mismatching tensor before compiling
+        tb = TensorBoard(t.tensorboard_dir) if t.tensorboard_dir else None
+        devices = _devices_for(cfg, devices)
+        attention = implementation_for(cfg, devices[0])  # refuses e.g. cudnn on CPU, pre-compile
+        mesh = make_mesh(cfg.layout, devices)
+        trainer = Trainer(cfg, mesh)
+        with StopRequest(multi_process=jax.process_count() > 1) as stop:
+            start, meta = 0, {}
+            if resume_step is not None:
+                abstract = trainer.abstract_state()
+                ckpt.check_shapes(resume_step, abstract)  # names the parameter and both shapes
+                meta = ckpt.read_meta(resume_step)
+                check_model_matches(meta, cfg.model)
+                _warn_data_changes(meta, cfg)
+                # Read straight into this run's shardings, whatever layout wrote the checkpoint.
+                state, meta = ckpt.restore(resume_step, abstract)
+                start = int(meta.get("data_position", resume_step))
+            else:
+                state = trainer.init_state(t.seed)
+                if t.init_from_hf:
+                    state["params"] = hf.load(t.init_from_hf, cfg.model, trainer.param_shardings)
+            div = Divergence(t.max_skipped_steps, t.divergence_factor, meta.get("first_loss"),
+                             int(meta.get("diverged_steps", 0)))  # fmt: skip
+            out = _train(
+                cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices, div
+            )
+            return {**out, "attention": attention}
+    finally:
+        for lock in locks:
+            lock.release()
 
-    with StopRequest(enabled=jax.process_count() == 1) as stop:
-        start = 0
-        if resume_step is not None:
-            abstract = trainer.abstract_state()
-            ckpt.check_shapes(resume_step, abstract)  # names the parameter and both shapes
-            meta = ckpt.read_meta(resume_step)
-            check_model_matches(meta, cfg.model)
-            _warn_data_changes(meta, cfg)
-            # Read straight into this run's shardings, whatever layout wrote the checkpoint.
-            state, meta = ckpt.restore(resume_step, abstract)
-            start = int(meta.get("data_position", resume_step))
-        else:
-            state = trainer.init_state(t.seed)
-            if t.init_from_hf:
-                state["params"] = hf.load(t.init_from_hf, cfg.model, trainer.param_shardings)
-        out = _train(cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices)
-        return {**out, "attention": attention}
+
+def _metrics_path(cfg: C.RunConfig) -> str | None:
+    t = cfg.train
+    return t.metrics_file or (f"{t.checkpoint_dir}/metrics.jsonl" if t.checkpoint_dir else None)
+
+
+def _lock_outputs(cfg: C.RunConfig) -> list[RunLock]:
+    """Lock the checkpoint directory (and a metrics file kept elsewhere) for this run: process 0
+    takes the locks, and every process learns whether it could, before anything compiles."""
+    from jaxpar.distributed import any_process
+
+    t = cfg.train
+    targets = []
+    if t.checkpoint_dir:
+        what = f"train.checkpoint_dir={t.checkpoint_dir!r}"
+        targets.append((Path(t.checkpoint_dir), LOCK_NAME, what))
+    if t.metrics_file:
+        m = Path(t.metrics_file)
+        if not t.checkpoint_dir or m.absolute().parent != Path(t.checkpoint_dir).absolute():
+            targets.append((m.parent, m.name + ".lock", f"train.metrics_file={t.metrics_file!r}"))
+    locks: list[RunLock] = []
+    error: Exception | None = None
+    if jax.process_index() == 0:
+        try:
+            for directory, name, what in targets:
+                try:
+                    directory.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise CheckpointError(f"{what}: not writable: {e.strerror or e}") from None
+                locks.append(RunLock(directory / name, what).acquire())
+        except CheckpointError as e:
+            error = e
+    if any_process(error is not None):
+        for lock in locks:
+            lock.release()
+        raise error or CheckpointError(
+            "the output directory is in use by another run (process 0 names it)"
+        )
+    return locks
 
 
 def _train(
-    cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices
+    cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices, div
 ) -> dict[str, Any]:
     t = cfg.train
-    metrics_path = t.metrics_file or (
-        f"{t.checkpoint_dir}/metrics.jsonl" if t.checkpoint_dir else None
-    )
-    log = MetricsLog(metrics_path)
+    # A run that continues a directory (resume, or the directory's own metrics file) drops
+    # the records an earlier attempt wrote after the step this run starts from.
+    continues = t.resume or t.resume_or_start or not t.metrics_file
+    log = MetricsLog(_metrics_path(cfg), keep_until=start if continues else None)
     t0 = time.perf_counter()
     trainer.compile_step()
     compile_s = time.perf_counter() - t0
@@ -128,19 +175,18 @@ def _train(
             "params": cfg.model.param_count(),
             "compile_s": compile_s,
             "memory": memory,
+            "dropped_records": log.dropped,
         }
     )
 
     tokens_per_step = t.global_batch * t.seq_len
     progress = Progress(t.steps, start, enabled=t.progress and not quiet)
-    losses, times, evals, skipped = [], [], [], 0
+    losses, times, evals, skipped, sync = [], [], [], 0, []
     eval_loss = None
     stopped = report = None
     done = saved_at = start
     try:
         for step in range(start, t.steps):
-            if stop.signal_name:
-                break
             batch = batches.global_array(step, trainer.batch_sharding)
             profiler.begin(step + 1)
             t1 = time.perf_counter()
@@ -160,23 +206,28 @@ def _train(
                 "step_time_s": dt,
                 "tokens_per_s": tokens_per_step / dt,
             }
+            why = div.check(done, loss, finite)
             if not finite:
                 # The step already kept the previous params and optimizer state (see Trainer).
                 skipped += 1
                 rec["nonfinite"] = True
                 rec["nonfinite_leaves"] = nonfinite_leaves(m["leaf_finite"])
-                log.write(rec)
-                if t.on_nonfinite == "stop":
-                    report = str(_write_report(cfg, rec, saved_at if ckpt else None))
-                    stopped = (
-                        f"non-finite loss or gradient at step {done}; update skipped, stopping "
-                        f"(diagnostic: {report})"
-                    )
-                    print(f"jaxpar: {stopped}", file=sys.stderr)
-                    break
-                progress.note(f"step {done}: non-finite loss or gradient; update skipped")
-            else:
-                log.write(rec)
+            if why:
+                rec["diverged"] = why
+            log.write(rec)
+            if why and (t.on_nonfinite == "stop" or div.exceeded):
+                report = str(_write_report(cfg, rec, saved_at if ckpt else None, div))
+                rule = (
+                    f"more than --max-skipped-steps {t.max_skipped_steps} steps diverged "
+                    f"({div.counted}, the first at step {div.first_step})"
+                    if t.on_nonfinite == "skip"
+                    else "--on-nonfinite stop"
+                )
+                stopped = f"step {done}: {why}; stopping: {rule} (diagnostic: {report})"
+                print(f"jaxpar: {stopped}", file=sys.stderr, flush=True)
+                break
+            if why:
+                progress.warn(f"jaxpar: warning: step {done}: {why} ({div.note()})")
             if tb is not None:
                 tb.scalars(done, {k: rec[k] for k in ("loss", "grad_norm", "lr", "tokens_per_s")})
             progress.update(done, loss, tokens_per_step / dt, dt)
@@ -187,12 +238,21 @@ def _train(
                 if tb is not None:
                     tb.scalars(done, {"eval_loss": eval_loss})
                 progress.note(f"step {done}: held-out loss {eval_loss:.4f}")
-            if ckpt is not None and ckpt.save(done, state, _meta(cfg, done), force=done == t.steps):
-                saved_at = done
+            t2 = time.perf_counter()
+            stop_now = stop.should_stop(done)
+            sync.append(time.perf_counter() - t2)
+            # No periodic checkpoint at a diverged step: a run that keeps skipping must not
+            # rotate its healthy checkpoints out. The final and the preemption checkpoint are
+            # written (they keep the data position).
+            force = done == t.steps or stop_now
+            if ckpt is not None and (force or not why):
+                if ckpt.save(
+                    done, state, _meta(cfg, done, div, batches.corpus.tokenizer), force=force
+                ):
+                    saved_at = done
+            if stop_now:
+                break
         preempted = stop.signal_name
-        if preempted and ckpt is not None and saved_at != done:
-            ckpt.save(done, state, _meta(cfg, done), force=True)
-            saved_at = done
         if preempted:
             log.write({"event": "preempted", "signal": preempted, "step": done})
         if t.export_hf:
@@ -219,6 +279,8 @@ def _train(
         "end_step": done,
         "steps": t.steps,
         "skipped_steps": skipped,
+        "diverged_steps": div.counted,
+        "max_skipped_steps": t.max_skipped_steps,
         "stopped": stopped,
         "nonfinite_report": report,
         "preempted": preempted,
@@ -228,26 +290,35 @@ def _train(
         "compile_time_s": compile_s,
         "params": cfg.model.param_count(),
         "memory": memory,
-        "layout": dataclasses.asdict(cfg.layout),
+        # What the compiled step does over dp (jaxpar.train.reduce.REDUCTION_NAMES).
+        "layout": {**dataclasses.asdict(cfg.layout), "dp_reduction": trainer.dp_reduction},
         "model": cfg.model.name,
         "mesh": cfg.mesh.name,
         "devices": len(devices),
         "platform": devices[0].platform,
         "processes": jax.process_count(),
         "profiled_steps": profiler.traced,
+        "stop_check_s": statistics.median(sync) if sync else None,
     }
 
 
-def _meta(cfg: C.RunConfig, step: int) -> dict[str, Any]:
+def _meta(
+    cfg: C.RunConfig, step: int, div: Divergence, tokenizer: dict | None = None
+) -> dict[str, Any]:
     t = cfg.train
     return {
         "step": step,
+        # the divergence budget continues across resumes
+        "first_loss": div.first_loss,
+        "diverged_steps": div.counted,
         # Batches are a pure function of (seed, step): the step is the whole data position.
         "data_position": step,
         "model": dataclasses.asdict(cfg.model),
         "layout": dataclasses.asdict(cfg.layout),
         "seed": t.seed,
         "data": {"source": t.data, "global_batch": t.global_batch, "seq_len": t.seq_len},
+        # What `jaxpar generate` decodes this model's tokens with.
+        "tokenizer": tokenizer,
     }
 
 
@@ -266,17 +337,30 @@ def _warn_data_changes(meta: dict[str, Any], cfg: C.RunConfig) -> None:
             )
 
 
-def _write_report(cfg: C.RunConfig, rec: dict[str, Any], last_checkpoint: int | None):
-    """Diagnostic of a non-finite step, next to the checkpoints (or metrics, or in the cwd)."""
+def _write_report(cfg: C.RunConfig, rec: dict[str, Any], last_checkpoint: int | None, div):
+    """Diagnostic of the step that stopped the run, next to the checkpoints (or metrics, or in
+    the cwd)."""
     t = cfg.train
     base = t.checkpoint_dir or (str(Path(t.metrics_file).parent) if t.metrics_file else ".")
+    applied = "nonfinite" not in rec
     record = {
-        **{k: rec[k] for k in ("step", "loss", "grad_norm", "lr", "nonfinite_leaves")},
+        **{k: rec[k] for k in ("step", "loss", "grad_norm", "lr")},
+        "nonfinite_leaves": rec.get("nonfinite_leaves", []),
+        "why": rec.get("diverged"),
         "loss_finite": math.isfinite(rec["loss"]),
         "grad_norm_finite": math.isfinite(rec["grad_norm"]),
         "policy": t.on_nonfinite,
+        "diverged_steps": div.counted,
+        "first_diverged_step": div.first_step,
+        "max_skipped_steps": t.max_skipped_steps,
+        "first_loss": div.first_loss,
         "last_checkpoint_step": last_checkpoint,
-        "note": "the non-finite update was not applied and this state was not checkpointed",
+        "note": (
+            "the loss of step N is that of the weights after step N-1, so checkpoints before "
+            "step first_diverged_step - 1 predate the divergence; "
+            + ("this step's update was applied" if applied else "this update was not applied")
+            + " and its state was not checkpointed"
+        ),
     }
     return write_nonfinite_report(Path(base) / f"nonfinite-step{rec['step']}.json", record)
 

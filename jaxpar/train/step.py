@@ -19,8 +19,9 @@ from jaxpar import sharding as shd
 from jaxpar.config import RunConfig, TrainConfig
 from jaxpar.errors import ConfigError
 from jaxpar.model import Model
+from jaxpar.train.grads import GradContext, loss_and_grads, microbatch_split
 from jaxpar.train.guard import inject_nonfinite
-from jaxpar.train.zero import DataParallel, layer_wrap
+from jaxpar.train.reduce import DPReduction
 
 State = dict[str, Any]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -70,15 +71,7 @@ def check_platform(cfg: RunConfig, devices) -> None:
             )
 
 
-def microbatch_split(x_BxT: jax.Array, k: int) -> jax.Array:
-    """``[B, ...] -> [k, B/k, ...]`` without gathering a dp-sharded batch.
-
-    Reshaping to ``[B/k, k, ...]`` keeps each device's rows contiguous on the leading dimension;
-    swapping axes then gives micro-batch ``j`` = rows ``{i·k + j}``, each device still holding
-    its share. A direct reshape to ``[k, B/k]`` would all-gather the batch.
-    """
-    b = x_BxT.shape[0]
-    return jnp.swapaxes(x_BxT.reshape(b // k, k, *x_BxT.shape[1:]), 0, 1)
+__all__ = ["Trainer", "microbatch_split", "make_optimizer", "lr_schedule"]
 
 
 class Trainer:
@@ -103,10 +96,18 @@ class Trainer:
         )
         self.param_specs = spec(stage.params)
         # The *reduced* gradient is reduce-scattered from stage 1 on (it only feeds the
-        # optimizer's shard); stages 1 and 2 differ in the accumulator (see train/zero.py).
+        # optimizer's shard); stages 1 and 2 differ in the accumulator (train/reduce.py).
         self.grad_specs = spec(stage.optimizer)
         self.moment_specs = spec(stage.optimizer)
-        self.dp = DataParallel(self, spec(True))
+        self.compute_dtype = DTYPES[lay.compute_dtype]
+        self.grad_ctx = GradContext(
+            model=self.model,
+            layout=lay,
+            rules=self.rules,
+            reduction=DPReduction.of(lay, spec(True)),
+            abstract=self.abstract_params,
+            compute_dtype=self.compute_dtype,
+        )
         self.tx = make_optimizer(cfg.train, self.logical)
         opt_abstract = jax.eval_shape(self.tx.init, self.abstract_params)
         self.opt_specs = shd.match_param_tree(opt_abstract, self.moment_specs)
@@ -122,7 +123,6 @@ class Trainer:
         self.device_shardings = shd.named(mesh, self.state_specs)
         # Tokens [B, S+1]: rows over dp; sequence sharding happens on activations inside.
         self.batch_sharding = NamedSharding(mesh, P(shd.dp_axes(lay), None))
-        self.compute_dtype = DTYPES[lay.compute_dtype]
         self._step = jax.jit(
             self._step_fn,
             in_shardings=(self.state_shardings, self.batch_sharding),
@@ -134,6 +134,11 @@ class Trainer:
             self._eval_fn, in_shardings=(self.device_shardings["params"], self.batch_sharding)
         )
         self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
+
+    @property
+    def dp_reduction(self) -> str:
+        """The data-parallel reduction the step compiles (e.g. ``reduce_scatter_once``)."""
+        return self.grad_ctx.reduction.name
 
     @property
     def param_shardings(self):
@@ -156,28 +161,14 @@ class Trainer:
         return {"params": params, "opt": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     def loss_fn(self, params, tokens_BxS, targets_BxS) -> jax.Array:
-        """Mean loss of one (micro-)batch under the layout's precision and remat policy."""
-        return self.model.loss(
-            params, tokens_BxS, targets_BxS, self.compute_dtype, layer_wrap(self.cfg.layout.remat)
-        )
+        """Mean loss of one batch with params at rest, no gradient (evaluation); GSPMD places
+        any gather the layout needs."""
+        return self.model.loss(params, tokens_BxS, targets_BxS, self.compute_dtype)
 
     def grads_fn(self, params, batch_BxT) -> tuple[jax.Array, Any]:
-        """Mean loss and gradients over the batch, accumulated over micro-batches.
-
-        The data-parallel reduction is explicit per ZeRO stage (:mod:`jaxpar.train.zero`);
-        gradients come back in the optimizer's sharding, in the parameter dtype.
-        """
-        if self.cfg.layout.pp > 1:
-            from jaxpar.pipeline.grads import pipeline_grads
-
-            remat = self.cfg.layout.remat
-            loss, grads = pipeline_grads(
-                self.model, params, batch_BxT[:, :-1], batch_BxT[:, 1:], self.cfg.layout,
-                self.compute_dtype, wrap=layer_wrap(remat) if remat == "selective" else None,
-                recompute=remat == "full",
-            )  # fmt: skip
-        else:
-            loss, grads = self.dp.grads(params, batch_BxT)
+        """Mean loss and gradients over the batch (:func:`jaxpar.train.grads.loss_and_grads`:
+        one mechanism for every layout); gradients in the optimizer's sharding."""
+        loss, grads = loss_and_grads(self.grad_ctx, params, batch_BxT)
         return loss, jax.lax.with_sharding_constraint(grads, shd.named(self.mesh, self.grad_specs))
 
     def _step_fn(self, state: State, batch_BxT: jax.Array):

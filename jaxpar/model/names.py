@@ -1,0 +1,19 @@
+"""Checkpoint names the model puts on its values, for remat policies (:mod:`jaxpar.train.remat`).
+
+Every weight operand of a matmul is tagged :data:`WEIGHT` at its point of use (after casts,
+kv repeats and the fused QKV / gate-up concatenation), so a policy can refuse to keep weights —
+or anything derived from them — between the forward and the backward: what ZeRO-3 needs, whose
+gathered weights must be gathered again in the backward rather than kept.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+WEIGHT = "jaxpar_weight"
+
+
+def weight(w: jax.Array) -> jax.Array:
+    """Tag ``w`` as a weight operand (an identity in the computation)."""
+    return checkpoint_name(w, WEIGHT)

@@ -1,0 +1,68 @@
+"""What the program that runs a layout does, as the cost model needs it.
+
+One :class:`Executor` describes jaxpar's own train step (the planner's default) and another
+describes a framework that published a large run (see :mod:`jaxpar.planner.published`); the
+formulas are the same, only these facts differ. Each field names a property of the program, not
+a fitted constant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+ATTENTION = ("dense", "blockwise")
+LOSS = ("dense", "chunked")
+
+
+@dataclass(frozen=True)
+class Executor:
+    """Properties of the train step the cost model describes.
+
+    * ``attention``: ``dense`` keeps the s×s probabilities for the backward (jaxpar's einsum
+      core today); ``blockwise`` keeps q, k, v, o and the log-sum-exp only (flash-style:
+      cuDNN, FlashAttention, jaxpar's blockwise kernel) and skips fully masked blocks, so it
+      runs half the score FLOPs of a causal sequence.
+    * ``loss``: ``dense`` materialises fp32 logits ``[tokens, V/tp]`` (and their gradient);
+      ``chunked`` processes ``loss_chunk`` tokens at a time.
+    * ``score_bytes``: HBM bytes moved per s×s score element in a ``dense`` forward (jaxpar:
+      six fp32 passes — logits, mask, max, exp, sum, normalise — 24 bytes; a fused masked
+      softmax in bf16 reads the scores and writes the probabilities: 4 bytes, plus a dropout
+      mask).
+    * ``lockstep``: pipeline ticks last as long as the slowest rank's work (jaxpar's SPMD
+      executor scans the tick table); ``False``: each rank runs its order asynchronously.
+    * ``i_cost``, ``w_cost``: input- and weight-gradient halves of a split backward, in units of
+      the stage forward (zero-bubble schedules). ``recompute_in_i``: under full recompute the
+      input-gradient half also re-runs the forward.
+    * ``overlap_tp``: share of the tensor- and sequence-parallel collective time hidden behind
+      matmuls (collective matmuls, userbuffers, context-parallel p2p overlapped with
+      attention); ``overlap_dp``: share of the backward (forward too
+      for ZeRO-3's gathers) that can hide the data-parallel traffic.
+    * ``carry_copies``: extra copies of the pipeline scan's carry (stashes, accumulators) the
+      compiled tick holds — XLA's CPU compile copies most of the carry in every switch branch
+      (jax-ml/jax#38145); calibrated on one pipeline layout (BENCHMARKS.md). A tick whose
+      branches touch only their own slots makes it 0.
+    """
+
+    name: str = "jaxpar"
+    attention: str = "dense"
+    loss: str = "dense"
+    loss_chunk: int = 1024
+    lockstep: bool = True
+    i_cost: float = 1.0
+    w_cost: float = 1.0
+    recompute_in_i: bool = True
+    score_bytes: float = 24.0
+    overlap_tp: float = 0.0
+    overlap_dp: float = 0.8
+    carry_copies: float = 0.89
+
+    def with_(self, **kw) -> Executor:
+        """A copy with some fields changed."""
+        return replace(self, **kw)
+
+
+# jaxpar's train step as this branch compiles it (dense attention, fp32 logits, lock-step
+# ticks). W costs one forward once the pipeline keeps each weight matmul's own cotangent; XLA's
+# async collectives with the latency-hiding scheduler (meshes/*.yaml xla_flags) overlap the
+# data-parallel reduction with the backward, nothing overlaps the tensor-parallel all-reduces.
+JAXPAR = Executor()

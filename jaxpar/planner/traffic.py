@@ -1,0 +1,134 @@
+"""Bytes each collective moves per device per optimizer step: one function per mesh axis.
+
+Wire bytes (what a device sends; ring algorithms, ``(N−1)/N`` made explicit). Ψ = parameters one
+device holds after tp and pp (:mod:`jaxpar.planner.shapes`), N the ZeRO group, k micro-batches,
+``w_r``/``w_p``/``w_c`` the bytes of the reduction, parameter and compute dtypes.
+
+* **dp** (ZeRO stage, per pp rank's own parameters): 0 — all-reduce of the gradients once per
+  step, 2Ψ(N−1)/N in w_r; 1 — reduce-scatter once Ψ(N−1)/N (w_r) and all-gather of the updated
+  params Ψ(N−1)/N (w_p); 2 — the reduce-scatter per micro-batch (kΨ) and the all-gather; 3 —
+  per micro-batch an all-gather in the forward and again in the backward (w_c) and a
+  reduce-scatter of the gradients (w_r): 3kΨ, less the second gather of the embedding and head
+  tables (the embedding's backward needs no weights; the head's follows its forward). Hybrid
+  sharding (``dp_shard``): the same over the shard group plus an all-reduce of the shard across
+  the groups once per step.
+* **tp** (Megatron, per layer and micro-batch): two all-reduces of the ``[b, s, d]`` activation
+  in the forward (attention out, MLP down), two in the backward (their conjugates at the
+  column-parallel inputs), two more when the forward is recomputed; with sequence parallelism
+  each becomes an all-gather plus a reduce-scatter of the same bytes. The embedding's lookup
+  adds one all-reduce per micro-batch (and one in the backward).
+* **sp** — Ulysses: all-to-alls of q, k, v (into head-sharded) and o (back), forward and
+  backward; ring: the K/V block passed ``sp − 1`` times forward, dK/dV once around backward
+  (autodiff through the ring keeps the received blocks, so there is no second K/V pass).
+* **pp**: one activation or cotangent message per send the schedule table makes.
+* **host**: optimizer offload moves gradients down and params up once per step; params offload
+  also fetches params per micro-batch; ``remat=offload`` sends activations down and back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxpar.analysis import theory as T
+from jaxpar.analysis.theory import DTYPE_BYTES
+from jaxpar.config import LayoutConfig, ModelConfig
+from jaxpar.planner.activations import kv_heads_local
+from jaxpar.planner.memory import Shape
+from jaxpar.planner.shapes import param_counts
+
+ring = T.ring_factor
+
+
+def dp_traffic(model: ModelConfig, lay: LayoutConfig) -> dict[str, Any]:
+    """Data-parallel wire bytes per device per step (module docstring), by part."""
+    pc = param_counts(model, lay)
+    psi = float(pc.local)
+    n = pc.zero_shards if lay.zero else lay.dp  # DDP: one all-reduce over all of dp
+    k, r = lay.microbatches, ring(n)
+    wr, wp, wc = (DTYPE_BYTES[d] for d in (lay.reduce_dtype, lay.param_dtype, lay.compute_dtype))
+    saved = 0.0
+    if lay.zero == 0:
+        grads, params = 2 * psi * r * wr, 0.0
+    elif lay.zero in (1, 2):
+        grads, params = (1 if lay.zero == 1 else k) * psi * r * wr, psi * r * wp
+    else:
+        embed = float(pc.local - pc.local_of("layers"))
+        grads, params = k * psi * r * wr, 2 * k * psi * r * wc
+        saved = k * embed * r * wc
+    groups = lay.dp // n
+    across = 2 * (psi / n) * ring(groups) * wr if groups > 1 else 0.0
+    return {
+        "psi": psi,
+        "n": n,
+        "ring_factor": r,
+        "grad_bytes": grads,
+        "param_bytes": params - saved,
+        "embedding_regather_saved": saved,
+        "across_groups_bytes": across,
+        "total_bytes": grads + params - saved + across,
+    }
+
+
+def _tokens(lay: LayoutConfig, shape: Shape) -> float:
+    return (shape.microbatch_size(lay) or 1) * shape.seq / lay.sp
+
+
+def tp_traffic(model: ModelConfig, lay: LayoutConfig, shape: Shape) -> dict[str, float]:
+    """Tensor-parallel wire bytes per device per step: ``forward``/``backward`` per layer and
+    micro-batch, ``total`` for the device's layers and micro-batches."""
+    if lay.tp == 1:
+        return {"forward": 0.0, "backward": 0.0, "total": 0.0}
+    b = shape.microbatch_size(lay) or 1
+    per = T.tp_comm_elements_per_layer(b, shape.seq // lay.sp, model.d_model, lay.tp,
+                                       lay.sequence_parallel)  # fmt: skip
+    fwd = bwd = per["elements"] / 2 * DTYPE_BYTES[lay.compute_dtype]
+    one = fwd / 2  # one all-reduce (or gather + scatter) of the [b, s, d] activation
+    if lay.remat == "full":
+        bwd += fwd
+    layers = model.n_layers // lay.pp
+    total = (layers * (fwd + bwd) + 2 * one) * lay.microbatches
+    return {"forward": fwd, "backward": bwd, "total": total}
+
+
+def sp_traffic(model: ModelConfig, lay: LayoutConfig, shape: Shape) -> dict[str, float]:
+    """Sequence-parallel (Ulysses or ring) wire bytes, as :func:`tp_traffic`."""
+    if lay.sp == 1:
+        return {"forward": 0.0, "backward": 0.0, "total": 0.0}
+    w, b = DTYPE_BYTES[lay.compute_dtype], shape.microbatch_size(lay) or 1
+    q = model.n_heads * model.hd // lay.tp
+    kv = int(kv_heads_local(model, lay) * model.hd)
+    if lay.sp_mode == "ulysses":
+        el = T.ulysses_comm_elements_per_layer(b * shape.seq, q, lay.sp, kv)
+        fwd = bwd = el["wire"] / 2 * w
+    else:
+        el = T.ring_attention_comm_elements_per_layer(b * shape.seq, kv, lay.sp, False)
+        fwd, bwd = el["forward"] * w, el["backward"] * w
+    if lay.remat == "full":
+        bwd += fwd
+    total = (model.n_layers // lay.pp) * (fwd + bwd) * lay.microbatches
+    return {"forward": fwd, "backward": bwd, "total": total}
+
+
+def pp_message_bytes(model: ModelConfig, lay: LayoutConfig, shape: Shape) -> float:
+    """Bytes of one activation (or cotangent) message between stages: ``[b, s, d]``, split over
+    sp, and over tp too under Megatron-SP (the residual stream is sequence-sharded there)."""
+    b = shape.microbatch_size(lay) or 1
+    el = T.pp_p2p_elements(b, shape.seq // lay.sp, model.d_model, lay.tp, lay.sequence_parallel)
+    return el * DTYPE_BYTES[lay.compute_dtype]
+
+
+def host_traffic(
+    model: ModelConfig, lay: LayoutConfig, shape: Shape, activation_bytes: float = 0.0
+) -> float:
+    """Host <-> device bytes per step (offload); ``activation_bytes``: what ``remat=offload``
+    parks on the host per step (it comes back for the backward)."""
+    pc = param_counts(model, lay)
+    wp = DTYPE_BYTES[lay.param_dtype]
+    out = 0.0
+    if lay.offload != "none":
+        out += wp * pc.held("grads") + wp * pc.held("params")
+        if lay.offload == "params":
+            out += wp * pc.held("params") * lay.microbatches
+    if lay.remat == "offload":
+        out += 2 * activation_bytes
+    return out

@@ -1,0 +1,114 @@
+"""Activation rematerialisation: one table, one meaning per setting, whatever the layout.
+
+Every layout (one device, ZeRO 0–3, tp/sp, inside a pipeline stage) reads this table, so
+``--remat X`` buys the same trade everywhere:
+
+========== ========================================================================= ==========
+setting    kept between a layer's forward and its backward                           recompute
+========== ========================================================================= ==========
+none       every activation the backward reads                                       nothing
+selective  matmul outputs; elementwise results (norms, SiLU, softmax) recomputed     elementwise
+full       each layer's input only (a pipeline stage keeps its stage input)          1 forward
+offload    matmul outputs, moved to ``pinned_host`` memory and back                  elementwise
+========== ========================================================================= ==========
+
+Weights are never activations. Under ZeRO-3 a layer's gathered weights (and anything derived
+from them, e.g. the fused QKV matrix) must not be kept between forward and backward, or the
+sharded parameters silently turn back into full ones: model code tags every weight operand of a
+matmul with :data:`jaxpar.model.names.WEIGHT`, the ZeRO-3 gather tags its output too, and the
+policies below never save a tagged value, so the backward gathers the weights again (the
+second all-gather of FSDP). With ``none`` that is the only thing recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from jaxpar.model.names import WEIGHT
+
+
+@dataclass(frozen=True)
+class Remat:
+    """What one ``--remat`` setting means."""
+
+    name: str
+    kept: str  # what the backward finds saved (for docs and the run summary)
+    recompute_forward: bool  # whether the backward re-runs each layer's forward (B = 3F)
+
+    def policy(self, zero3: bool) -> Any:
+        """The ``jax.checkpoint`` policy for a layer, or None for no checkpoint at all."""
+        cp = jax.checkpoint_policies
+        if self.name == "none":
+            return _save_all_but_weights if zero3 else None
+        if self.name == "full":
+            return cp.nothing_saveable
+        if self.name == "selective":
+            # Dot outputs are activations; weights are dot *operands*, never outputs.
+            return cp.checkpoint_dots
+        if self.name == "offload":
+            return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+        raise ValueError(f"layout.remat={self.name!r}: unknown")
+
+    def wrap(self, pre: Callable | None = None) -> Callable[[Callable], Callable] | None:
+        """Wrapper of a scan body ``(x, layer_params) -> (x, None)``: apply ``pre`` (the
+        ZeRO-3 gather) to the layer's params, under this setting's checkpoint policy."""
+        zero3 = pre is not None
+        policy = self.policy(zero3)
+        if policy is None:
+            return None
+
+        def wrap(body):
+            inner = body if pre is None else (lambda x, lp: body(x, pre(lp)))
+            return jax.checkpoint(inner, prevent_cse=False, policy=policy)
+
+        return wrap
+
+
+# Data movement, which a policy may recompute for free: a weight reaches its matmul only
+# through these (gather, cast, reshape, kv repeat, fused-column concatenation, transpose).
+_MOVES = frozenset({
+    "all_gather", "reshape", "concatenate", "broadcast_in_dim", "transpose", "squeeze",
+    "expand_dims", "sharding_constraint", "copy", "copy_p",
+})  # fmt: skip
+
+
+def _save_all_but_weights(prim: Any, *_: Any, **params: Any) -> bool:
+    """``none`` under ZeRO-3: keep every computed activation, never a weight.
+
+    Written out because ``jax.checkpoint_policies.save_anything_except_these_names`` saves
+    everything whatever the names (jax 0.10.2: it is ``lambda *_, **__: True``), and because
+    naming the weights alone is not enough: the value one op upstream of a name (the gathered
+    weight before its reshape, the concatenation before its constraint) would be saved in its
+    place. So data movement is recomputed, the ZeRO-3 gather (a ``custom_vjp`` around an
+    ``all_gather``) is re-run in the backward, and everything else is kept.
+    """
+    name = getattr(prim, "name", "")
+    if name == "name":
+        return params.get("name") != WEIGHT
+    if name in _MOVES:
+        return False
+    if name == "custom_vjp_call":
+        jaxpr = params.get("call_jaxpr")
+        inner = getattr(jaxpr, "jaxpr", jaxpr)
+        return not any(e.primitive.name == "all_gather" for e in getattr(inner, "eqns", ()))
+    return True
+
+
+TABLE: dict[str, Remat] = {
+    "none": Remat("none", "every activation", False),
+    "selective": Remat("selective", "matmul outputs", False),
+    "full": Remat("full", "layer inputs (pipeline: stage inputs)", True),
+    "offload": Remat("offload", "matmul outputs in pinned_host", False),
+}
+
+
+def remat_of(setting: str) -> Remat:
+    """The table entry of a ``layout.remat`` value."""
+    try:
+        return TABLE[setting]
+    except KeyError:
+        raise ValueError(f"layout.remat={setting!r}: must be one of {', '.join(TABLE)}") from None

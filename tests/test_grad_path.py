@@ -1,0 +1,123 @@
+"""One gradient path for every layout (jaxpar.train.grads): equivalence, the stage's dp bytes
+from the compiled HLO, the reduction it names, remat meanings, refusals.
+
+Each case compiles twice (gradients for equivalence, the step for its collectives). The cases
+cover every ZeRO stage and every layout of the issue's grid at least once; the whole grid runs
+in ``scripts/bench_grad_path.py`` (its table is in BENCHMARKS.md). Other files cover more of the
+same mechanism: test_zero (dp-only stages, hybrid, offload), test_tpsp (tp/sp modes),
+test_pipeline (every schedule).
+"""
+
+from functools import cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import small_config
+
+from jaxpar import config as C
+from jaxpar.analysis.memory import dp_comm_theory, measure
+from jaxpar.data import Batches, load_corpus
+from jaxpar.devices import make_mesh
+from jaxpar.errors import ConfigError
+from jaxpar.model.names import weight
+from jaxpar.train.remat import remat_of
+from jaxpar.train.step import Trainer
+
+# (layout, ZeRO stage, micro-batches): every stage, every layout of the grid, k = 1 and k > 1.
+CASES = {
+    "dp4_tp2_z3": (dict(dp=4, tp=2), 3, 1),
+    "dp2_tp4_z2_k4": (dict(dp=2, tp=4), 2, 4),
+    "dp2_sp2_tp2_ulysses_z0": (dict(dp=2, sp=2, tp=2), 0, 1),
+    "dp2_sp2_tp2_ring_z3_k2": (dict(dp=2, sp=2, tp=2, sp_mode="ring"), 3, 2),
+    "dp2_tp2_pp2_z1_m4": (dict(dp=2, tp=2, pp=2), 1, 4),
+    "dp2_tp2_pp2_z3_m2": (dict(dp=2, tp=2, pp=2), 3, 2),
+}
+
+
+def cfg_of(layout: dict, zero: int, k: int) -> C.RunConfig:
+    cfg = small_config(zero=zero, microbatches=k, **layout)
+    cfg.train.global_batch = 16
+    C.validate(cfg, cfg.layout.n_devices)
+    return cfg
+
+
+def grads(cfg: C.RunConfig):
+    tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
+    t = cfg.train
+    batches = Batches(load_corpus("stdlib", 256), t.global_batch, t.seq_len, seed=3)
+    loss, g = tr.grads(tr.init_state(0)["params"], batches.global_array(0, tr.batch_sharding))
+    return tr, float(loss), jax.tree.map(np.asarray, g)
+
+
+@cache
+def reference():
+    return grads(small_config(dp=1))[1:]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_reproduces_one_device_and_reduces_as_its_stage(name):
+    layout, zero, k = CASES[name]
+    cfg = cfg_of(layout, zero, k)
+    tr, loss, g = grads(cfg)
+    ref_loss, ref = reference()
+    assert abs(loss / ref_loss - 1) < 1e-4
+    for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]:
+        r = ref
+        for key in path:
+            r = r[key.key]
+        tol = 1e-4 * np.abs(r).max()
+        np.testing.assert_allclose(leaf, r, rtol=1e-4, atol=tol, err_msg=str(path))
+    names = ("all_reduce_once", "reduce_scatter_once", "reduce_scatter_per_microbatch",
+             "reduce_scatter_per_layer")  # fmt: skip
+    assert tr.dp_reduction == names[zero]
+
+    m = measure(cfg)
+    comm = m["comm"]
+    dp_kinds = {e["kind"] for e in comm["entries"] if set(e["axes"]) == {"dp"} and e["bytes"] > 1e3}
+    assert dp_kinds == ({"all-reduce"} if zero == 0 else {"reduce-scatter", "all-gather"})
+    # Collectives in the pipeline's per-tick switch are counted once per tick (every branch);
+    # ZeRO 0/1 reduce once after the schedule, so their count is exact there too.
+    if cfg.layout.pp == 1 or zero <= 1:
+        theory = dp_comm_theory(cfg)["total_bytes"]
+        assert comm["dp_wire_bytes"] == pytest.approx(theory, rel=0.10)
+
+
+def test_remat_none_under_zero3_keeps_no_weight():
+    """``none`` keeps every activation and, under ZeRO-3, no weight (nor anything computed from
+    one): the backward gathers again. ``selective`` keeps matmul outputs, ``full`` nothing."""
+
+    def layer(x_BxD, w_DxF):
+        w = weight(jnp.concatenate([w_DxF, w_DxF], axis=1).reshape(w_DxF.shape[0], -1))
+        h = jnp.tanh(x_BxD @ w)
+        return jnp.sin(h) @ w.T
+
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
+
+    def saved(setting):
+        """Shapes of what the backward keeps (the VJP's leaves, less the inputs)."""
+        fn = jax.checkpoint(layer, policy=remat_of(setting).policy(zero3=True))
+        leaves = jax.tree_util.tree_leaves(jax.vjp(fn, x, w)[1])
+        return [tuple(a.shape) for a in leaves if a is not x and a is not w]
+
+    kept = saved("none")
+    assert not {(8, 32), (32, 8)} & set(kept), kept  # no weight, nor its concat or transpose
+    assert (4, 32) in kept  # the activations (tanh and its input's derivative) are kept
+    assert {(8, 32), (32, 8)} & set(saved("selective")) == set()
+    assert (4, 32) not in saved("full")
+    assert remat_of("none").policy(zero3=False) is None  # no checkpoint at all without ZeRO-3
+    assert remat_of("full").recompute_forward and not remat_of("selective").recompute_forward
+
+
+@pytest.mark.parametrize(
+    "layout,match",
+    [
+        (dict(pp=2, sp=2, sp_mode="ring", microbatches=2), "sp_mode='ring' .*not yet supported"),
+        (dict(pp=2, remat="offload", microbatches=2), "remat='offload': not supported with pp"),
+    ],
+)
+def test_unsupported_combinations_refused_in_one_line(layout, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        C.validate(small_config(**layout), None)
+    assert "\n" not in str(e.value)
