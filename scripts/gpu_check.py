@@ -38,9 +38,9 @@ CHECK = dict(
     train=dict(global_batch=8, seq_len=128, steps=2),
 )  # fmt: skip
 DRY = dict(
-    model=dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256,
-               max_seq_len=32),
-    train=dict(global_batch=4, seq_len=32, steps=2),
+    model=dict(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=256,
+               max_seq_len=16),
+    train=dict(global_batch=2, seq_len=16, steps=2),
 )  # fmt: skip
 # Dense bf16 peak FLOP/s by device kind (H200 has H100's compute); else the mesh file's figure.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -101,7 +101,7 @@ def _bench(shape: dict, device) -> dict:
             cfg.mesh.hardware.peak_flops_bf16 = peak
         impl = implementation_for(cfg, device)
         try:
-            r = bench(cfg, devices=[device], warmup=2)
+            r = bench(cfg, devices=[device], warmup=1 if device.platform == "cpu" else 2)
         except Exception as e:  # noqa: BLE001  (a cuDNN that cannot run this shape)
             if impl != "cudnn":
                 raise

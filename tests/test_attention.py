@@ -20,6 +20,7 @@ from jaxpar.devices import make_mesh
 from jaxpar.errors import ConfigError
 from jaxpar.model import Model, flash
 from jaxpar.model.attention import causal_attention, resolve
+from jaxpar.model.llama import Hooks
 from jaxpar.train.step import Trainer
 
 RTOL = 1e-5
@@ -202,7 +203,7 @@ def test_layer_unroll_leaves_no_loop_unless_the_body_is_wrapped():
     tok = jnp.zeros((2, 32), jnp.int32)
 
     def hlo(wrap):  # the forward shows the layer loop as well as the backward would
-        loss = lambda p: model.loss(p, tok, tok, wrap=wrap)  # noqa: E731
+        loss = lambda p: model.loss(p, tok, tok, hooks=Hooks(layer=wrap))  # noqa: E731
         return jax.jit(loss).lower(params).compile().as_text()
 
     layer_loop = '"known_trip_count":{"n":"3"}'
