@@ -5,14 +5,15 @@ through ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``, SwiGL
 the same shapes, init scale, AdamW (β 0.9/0.95, weight decay 0.1) and global-norm clipping at 1.
 Pairs, same global batch:
 
-=========  =============================  ==========================================
-config     jaxpar                         PyTorch (CPU, gloo)
-=========  =============================  ==========================================
-single     1 device                       eager, one process
-ddp4       dp 4, ZeRO-0                   DistributedDataParallel, 4 processes
-zero3x4    dp 4, ZeRO-3                   FSDP2 (``fully_shard`` per block), 4 processes
-pp2        pp 2, 1F1B, 4 micro-batches    ``torch.distributed.pipelining`` Schedule1F1B
-=========  =============================  ==========================================
+==========  =============================  ==========================================
+config      jaxpar                         PyTorch (CPU, gloo)
+==========  =============================  ==========================================
+single      1 device                       eager, one process
+single_mb4  1 device, 4 micro-batches      eager, one process (no accumulation)
+ddp4        dp 4, ZeRO-0                   DistributedDataParallel, 4 processes
+zero3x4     dp 4, ZeRO-3                   FSDP2 (``fully_shard`` per block), 4 processes
+pp2         pp 2, 1F1B, 4 micro-batches    ``torch.distributed.pipelining`` Schedule1F1B
+==========  =============================  ==========================================
 
 Every side runs in a long-lived worker subprocess (jaxpar with exactly the simulated CPU
 devices its layout needs: simulating 8 while using 1 costs a few percent) that compiles or
@@ -46,8 +47,15 @@ SHAPES = {
     "wide": dict(n_layers=4, d_model=512, n_heads=8, n_kv_heads=4, d_ff=1536, vocab_size=256,
                  seq=1024, batch=4),
 }  # fmt: skip
+# jaxpar's settings per shape (what pays on CPU, README "Attention, the layer loop and the
+# loss"): straight-line layers; tiles of 128 for 64-wide heads (the score tile of the issue
+# shape at 64 and of the wide one at 128 are both 2 MiB: 0.93x the step at 64 for the wide one).
+JAXPAR = {"issue": {"layer_unroll": 0}, "wide": {"layer_unroll": 0, "attention_block": 128}}
 CONFIGS = {
     "single": dict(devices=1, layout=dict(dp=1), torch="eager"),
+    # Gradient accumulation over 4 micro-batches (same global batch and update) against eager
+    # without: on CPU the smaller working set stays in cache (PyTorch gains nothing from it).
+    "single_mb4": dict(devices=1, layout=dict(dp=1, microbatches=4), torch="eager"),
     "ddp4": dict(devices=4, layout=dict(dp=4, zero=0), torch="ddp"),
     "zero3x4": dict(devices=4, layout=dict(dp=4, zero=3), torch="fsdp2"),
     "pp2": dict(devices=2, layout=dict(pp=2, schedule="1f1b", microbatches=4), torch="pp"),
@@ -362,7 +370,7 @@ class Worker:
 
 def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: dict) -> dict:
     """Interleaved bursts of jaxpar and PyTorch steps for one (shape, config)."""
-    jx = Worker(["--worker", "jax", shape, config, json.dumps(model_overrides)])
+    jx = Worker(["--worker", "jax", shape, config, json.dumps(JAXPAR[shape] | model_overrides)])
     pt = Worker(["--worker", "torch", shape, config])
     times = {"jaxpar": [], "torch": []}
     try:
@@ -384,6 +392,7 @@ def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: 
         "torch_first_loss": pt.info["first_loss"],
         "jaxpar_compile_s": jx.info["compile_s"],
         "attention": jx.info.get("attention"),
+        "jaxpar_model": JAXPAR[shape] | model_overrides,
         "steps": len(times["jaxpar"]),
     }
     print(
