@@ -370,6 +370,7 @@ class Worker:
 
 def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: dict) -> dict:
     """Interleaved bursts of jaxpar and PyTorch steps for one (shape, config)."""
+    load0 = os.getloadavg()[0]
     jx = Worker(["--worker", "jax", shape, config, json.dumps(JAXPAR[shape] | model_overrides)])
     pt = Worker(["--worker", "torch", shape, config])
     times = {"jaxpar": [], "torch": []}
@@ -394,10 +395,11 @@ def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: 
         "attention": jx.info.get("attention"),
         "jaxpar_model": JAXPAR[shape] | model_overrides,
         "steps": len(times["jaxpar"]),
+        "load_avg_1m": [load0, os.getloadavg()[0]],  # before and after: the machine is shared
     }
     print(
         f"{shape:6s} {config:8s} jaxpar {med['jaxpar']:.3f} s  torch {med['torch']:.3f} s  "
-        f"ratio {row['ratio']:.2f}",
+        f"ratio {row['ratio']:.2f}  (load {row['load_avg_1m'][0]:.1f}-{row['load_avg_1m'][1]:.1f})",
         file=sys.stderr,
         flush=True,
     )
