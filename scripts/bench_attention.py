@@ -92,29 +92,33 @@ def _step_trainer(**model):
 
 
 def copies(hlo: str) -> dict:
-    """Copy and transpose instructions (or fusions rooted in one) outside fused computations:
-    count, bytes written, and the five largest with the op that asked for them."""
-    from jaxpar.analysis.hlo_text import shape_bytes
+    """Copy and transpose instructions (or fusions rooted in one) outside fused computations,
+    per step (an instruction in the layer scan's body counts once per layer): executions,
+    bytes written, and the five largest with the op that asked for them."""
+    from jaxpar.analysis.hlo_text import execution_counts, parse_module, shape_bytes
 
+    comps, entry = parse_module(hlo)
+    runs, _ = execution_counts(comps, entry)
+    fused = {c for ins_list in comps.values() for ins in ins_list if ins.opcode == "fusion"
+             for c in re.findall(r"calls=%?([\w.\-]+)", ins.attrs)}  # fmt: skip
     rows = []
-    fused = False
-    for line in hlo.splitlines():
-        if line and not line.startswith(" "):
-            fused = "fused" in line.split("(")[0] or line.startswith("%fused")
+    for comp, ins_list in comps.items():
+        trips = runs.get(comp, (0, True, False))[0]
+        if comp in fused or not trips:
             continue
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(", line)
-        if fused or not m:
-            continue
-        name, shape, op = m.groups()
-        if op in ("copy", "transpose") or (op == "fusion" and re.match(r"(copy|transpose)", name)):
-            where = re.search(r'op_name="([^"]*)"', line)
-            b = shape_bytes(shape) if not shape.startswith("(") else 0
-            rows.append((b, shape.split("{")[0], where.group(1) if where else ""))
-    rows.sort(reverse=True)
+        for ins in ins_list:
+            kind = ins.opcode in ("copy", "transpose") or (
+                ins.opcode == "fusion" and re.match(r"(copy|transpose)", ins.name)
+            )
+            if kind and not ins.shape.startswith("("):
+                where = re.search(r'op_name="([^"]*)"', ins.attrs)
+                op = where.group(1) if where else "(copy insertion: loop-carried buffer)"
+                rows.append((shape_bytes(ins.shape), trips, ins.shape.split("{")[0], op))
+    rows.sort(key=lambda r: -r[0] * r[1])
     return {
-        "count": len(rows),
-        "bytes": sum(r[0] for r in rows),
-        "largest": [{"bytes": b, "shape": s, "op": o[-90:]} for b, s, o in rows[:5]],
+        "executions": sum(r[1] for r in rows),
+        "bytes": sum(r[0] * r[1] for r in rows),
+        "largest": [{"bytes": b, "runs": t, "shape": s, "op": o[-90:]} for b, t, s, o in rows[:5]],
     }
 
 
