@@ -79,7 +79,8 @@ def _losses(shape: dict, compute_dtype: str, device) -> dict:
 
 def _cpu_reference(dry: bool) -> dict:
     """The fp32 losses of the check run on the CPU, in a fresh process (JAX_PLATFORMS=cpu)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # Without the GPU profile's XLA flags: a CPU process of its own.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, os.path.abspath(__file__), "--cpu-reference"] + (["--dry"] * dry)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -77,7 +77,8 @@ def nvidia(device: jax.Device) -> bool:
     """Whether ``device`` is an NVIDIA GPU (the only place cuDNN attention runs)."""
     if device.platform != "gpu":
         return False
-    version = str(getattr(device.client, "platform_version", "")).lower()
+    client = getattr(device, "client", None)
+    version = str(getattr(client, "platform_version", "")).lower()
     return "rocm" not in version and "hip" not in version
 
 
