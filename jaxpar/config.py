@@ -31,6 +31,7 @@ SP_MODES = ("ulysses", "ring")
 REMAT = ("none", "full", "selective", "offload")
 OFFLOAD = ("none", "optimizer", "params")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION = ("auto", "blockwise", "dense", "cudnn")
 ON_NONFINITE = ("skip", "stop")
 PLATFORMS = ("cpu", "gpu", "tpu")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # token files (.bin)
@@ -54,6 +55,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # How the model runs (no effect on parameter shapes; README "Attention and the layer loop").
+    attention: str = "auto"  # auto | blockwise | dense | cudnn (jaxpar.model.attention)
+    attention_block: int = 64  # query/key positions per tile of the blockwise kernel
+    layer_unroll: int = 1  # layer loop: 1 = lax.scan, k = unrolled by k, 0 = no loop
+    loss_chunk: int = 1024  # sequence positions per cross-entropy chunk ([B, chunk, V] logits)
 
     @property
     def hd(self) -> int:
@@ -416,6 +422,15 @@ def _check_model(m: ModelConfig) -> None:
     for name in ("rope_theta", "norm_eps", "init_std"):
         _number(f"model.{name}", getattr(m, name), 0)
     _one_of("model.mlp", m.mlp, ("swiglu", "gelu"))
+    _one_of("model.attention", m.attention, ATTENTION)
+    for name in ("attention_block", "loss_chunk"):
+        _positive(f"model.{name}", getattr(m, name))
+    unroll = m.layer_unroll
+    if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 0:
+        raise ConfigError(
+            f"model.layer_unroll={m.layer_unroll!r}: must be 0 (all layers unrolled) or a "
+            "positive number of layers per loop iteration"
+        )
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads}")
     if m.head_dim is None and m.d_model % m.n_heads:

@@ -5,9 +5,9 @@ run ``--warmup`` steps, then ``--steps`` timed steps (each synchronised with
 ``block_until_ready``), and report the median. Model FLOPs per token are
 ``theory.train_flops_per_token`` (6Ψ + 12·l·h·s, no recompute: MFU, not HFU), against the
 mesh file's ``peak_flops_bf16``. On GPU the step runs as configured (``--compute-dtype
-bfloat16`` is the mesh files' default there). jaxpar's attention is the unfused einsum form in
-``jaxpar.model.layers.causal_attention``; a fused kernel (``jax.nn.dot_product_attention``) is
-the model's business and not used yet, so long sequences pay its s×s scores in memory and time.
+bfloat16`` is the mesh files' default there). The attention is ``model.attention``'s
+(:mod:`jaxpar.model.attention`: cuDNN flash attention on NVIDIA GPUs in bf16, the blockwise
+kernel elsewhere; neither keeps the s×s scores).
 """
 
 from __future__ import annotations

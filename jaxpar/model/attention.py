@@ -1,37 +1,61 @@
-"""The attention core and its sequence-parallel forms: dense causal, Ulysses, ring.
+"""The attention core — dense, blockwise or cuDNN — and its sequence-parallel forms.
 
-* Dense (:func:`causal_attention`): softmax attention with a causal mask, grouped-query.
-* Ulysses (DeepSpeed-Ulysses, Jacobs et al. 2023): no code of its own here. The layer
-  constrains q/k/v from sequence-sharded to head-sharded (``attn_seq``/``attn_heads``); GSPMD
-  turns each constraint into an all-to-all over ``sp``, the dense core runs on full sequences
-  of ``H/(tp·sp)`` heads, and the output constraint is the all-to-all back.
-* Ring (Liu et al. 2023, "Ring Attention with Blockwise Transformers"):
-  :func:`ring_attention` is a ``jax.shard_map`` manual over ``sp`` only (``dp``/``tp`` stay
-  with GSPMD, and it nests inside the pipeline's ``shard_map`` over ``pp``). Each device keeps
-  its query block and passes its K/V block around the ring with ``ppermute``, accumulating an
-  online softmax (running max, denominator and numerator in fp32). With a contiguous sequence
-  layout, rank ``r`` at step ``i`` holds the block of rank ``r − i``: step 0 is the diagonal
-  (masked), steps ``1..r`` are fully visible, later steps fully masked and skipped with
-  ``lax.cond`` (no FLOPs; the ring still forwards the block). Autodiff goes through the ring
-  (``ppermute`` transposes to the reverse ``ppermute``): the backward sends dK/dV back around
-  once, the received K/V blocks are kept as residuals (no second K/V pass).
+A core is a function ``(q [B, S, H, Dh], k [B, S, K, Dh], v) -> o [B, S, H, Dh]``: causal,
+grouped-query (H = K·G), on whatever heads and full sequences the caller's sharding leaves
+local. ``model.attention`` picks it (:func:`resolve`):
+
+* ``blockwise`` (:func:`jaxpar.model.flash.blockwise_attention`): flash-style tiles with a
+  custom backward; memory linear in the sequence, masked tiles skipped. The default off NVIDIA
+  GPUs and whenever the compute dtype is fp32.
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused flash
+  attention; NVIDIA GPUs, bf16/fp16, head dim a multiple of 8 up to 128. ``auto`` takes it
+  wherever it applies.
+* ``dense``: the textbook form (fp32 softmax over materialised ``[B, K, G, S, S]`` scores): the
+  reference the other two are tested against.
+
+Parallel forms (``Rules.attention``):
+
+* Megatron TP/SP: the heads of q/k/v are sharded over ``tp`` by the projections' constraints,
+  and GSPMD partitions the core along them (each device runs the core on its heads).
+* Ulysses (DeepSpeed-Ulysses, Jacobs et al. 2023): :func:`ulysses` constrains q/k/v from
+  sequence-sharded to head-sharded (``attn_seq``/``attn_heads``); GSPMD turns each constraint
+  into an all-to-all over ``sp``; the core runs on full sequences of ``H/(tp·sp)`` heads, and
+  the output constraint is the all-to-all back.
+* Ring (Liu et al. 2023): :func:`ring_attention` is a ``jax.shard_map`` manual over ``sp`` only
+  (``dp``/``tp`` stay with GSPMD; it nests inside the pipeline's ``shard_map`` over ``pp``).
+  Each device keeps its query block and passes its K/V block around the ring with
+  ``ppermute``, folding each into the blockwise kernel's online softmax. With a contiguous
+  sequence layout rank ``r`` at step ``i`` holds the block of rank ``r − i``: step 0 is the
+  causal diagonal, steps ``1..r`` are fully visible, later ones fully masked and skipped with
+  ``lax.cond``. Its backward is custom too: it recomputes each step's tiles from the saved
+  q, o and log-sum-exp and the K/V blocks received in the forward (kept, so there is no second
+  K/V pass) and sends dK/dV back around the ring once (fp32, P − 1 reverse permutes of two
+  tensors, as autodiff would): no scores are stored.
 
 GQA: kv heads fewer than the head shards are repeated (:func:`kv_repeat`; the layer repeats the
 kv projection weights, head k → k·r … k·r + r − 1) so that each device's query heads find their
-kv head locally; the math is unchanged (query head h of group size G uses repeated head
-h // (G/r), i.e. head h // G), and the gradient of a repeated head sums over its copies.
+kv head locally; query head h of group size G uses repeated head h // (G/r), i.e. head h // G,
+and the gradient of a repeated head sums over its copies.
 
-Shape suffixes: B batch, S sequence (C a local block), H query heads, K kv heads, G = H/K,
-Dh head dim.
+Shape suffixes: B batch, S sequence, H query heads, K kv heads, G = H/K, Dh head dim.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-NEG = float(jnp.finfo(jnp.float32).min)
+from jaxpar.config import ATTENTION as IMPLEMENTATIONS
+from jaxpar.config import RunConfig
+from jaxpar.errors import ConfigError
+from jaxpar.model import flash
+from jaxpar.sharding import constrain
+
+Core = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def kv_repeat(n_heads: int, n_kv_heads: int, shards: int) -> int | None:
@@ -45,90 +69,190 @@ def kv_repeat(n_heads: int, n_kv_heads: int, shards: int) -> int | None:
     return None
 
 
-def _scores(q_BxCxHxDh: jax.Array, k_BxCxKxDh: jax.Array) -> jax.Array:
-    """Scaled grouped-query logits ``[B, K, G, Cq, Ck]`` in fp32."""
-    b, c, h, dh = q_BxCxHxDh.shape
-    kvh = k_BxCxKxDh.shape[2]
-    q_BxCxKxGxDh = q_BxCxHxDh.reshape(b, c, kvh, h // kvh, dh)
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", q_BxCxKxGxDh, k_BxCxKxDh).astype(jnp.float32)
-    return logits * (dh**-0.5)
+# --------------------------------------------------------------------------------------------
+# Choosing the implementation
+
+
+def nvidia(device: jax.Device) -> bool:
+    """Whether ``device`` is an NVIDIA GPU (the only place cuDNN attention runs)."""
+    if device.platform != "gpu":
+        return False
+    client = getattr(device, "client", None)
+    version = str(getattr(client, "platform_version", "")).lower()
+    return "rocm" not in version and "hip" not in version
+
+
+def cudnn_applies(on_nvidia: bool, dtype, head_dim: int) -> bool:
+    """cuDNN flash attention's envelope: NVIDIA GPU, bf16/fp16, head dim ≤ 128 and ≡ 0 mod 8."""
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return on_nvidia and half and head_dim % 8 == 0 and head_dim <= 128
+
+
+def resolve(setting: str, on_nvidia: bool, dtype, head_dim: int, mode: str = "local") -> str:
+    """The implementation ``model.attention = setting`` runs as; a forced one the platform,
+    dtype or parallel form cannot run is refused in one line naming both."""
+    if setting not in IMPLEMENTATIONS:
+        allowed = ", ".join(IMPLEMENTATIONS)
+        raise ConfigError(f"model.attention={setting!r}: must be one of {allowed}")
+    fits = cudnn_applies(on_nvidia, dtype, head_dim)
+    if mode == "ring":
+        if setting in ("dense", "cudnn"):
+            raise ConfigError(
+                f"model.attention={setting!r}: ring attention (layout.sp_mode='ring') runs the "
+                "blockwise kernel; use auto or blockwise"
+            )
+        return "blockwise"
+    if setting == "auto":
+        return "cudnn" if fits else "blockwise"
+    if setting == "cudnn" and not fits:
+        where = "an NVIDIA GPU" if on_nvidia else "no NVIDIA GPU"
+        raise ConfigError(
+            f"model.attention='cudnn': needs an NVIDIA GPU, bfloat16/float16 compute and a head "
+            f"dim that is a multiple of 8 up to 128; this run has {where}, compute dtype "
+            f"{jnp.dtype(dtype).name} and head dim {head_dim}"
+        )
+    return setting
+
+
+def implementation_for(cfg: RunConfig, device: jax.Device) -> str:
+    """The implementation a run uses on ``device`` (its compute dtype, head dim, parallel
+    form); raises :class:`ConfigError` for a forced one it cannot run."""
+    lay = cfg.layout
+    mode = "ring" if lay.sp > 1 and lay.sp_mode == "ring" else "local"
+    return resolve(cfg.model.attention, nvidia(device), lay.compute_dtype, cfg.model.hd, mode)
+
+
+def core(implementation: str, block: int) -> Core:
+    """The causal core of a resolved implementation (``blockwise`` tiles of ``block``)."""
+    if implementation == "blockwise":
+        return partial(flash.blockwise_attention, block=block)
+    if implementation == "cudnn":
+        return partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+    if implementation == "dense":
+        return causal_attention
+    raise ValueError(f"attention implementation {implementation!r}: not resolved")
 
 
 def causal_attention(q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array):
-    """Softmax attention with a causal mask, grouped-query (H = K·G), softmax in fp32."""
+    """Dense softmax attention with a causal mask, grouped-query, softmax in fp32."""
     b, s, h, dh = q_BxSxHxDh.shape
-    logits = _scores(q_BxSxHxDh, k_BxSxKxDh)
-    logits = jnp.where(jnp.tril(jnp.ones((s, s), bool)), logits, NEG)
+    kvh = k_BxSxKxDh.shape[2]
+    q_BxSxKxGxDh = q_BxSxHxDh.reshape(b, s, kvh, h // kvh, dh)
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", q_BxSxKxGxDh, k_BxSxKxDh).astype(jnp.float32)
+    logits = jnp.where(jnp.tril(jnp.ones((s, s), bool)), logits * dh**-0.5, flash.NEG)
     probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxKxDh.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v_BxSxKxDh)
     return out.reshape(b, s, h, dh)
 
 
 # --------------------------------------------------------------------------------------------
+# Ulysses
+
+
+def ulysses(core_fn: Core) -> Core:
+    """Run ``core_fn`` on full sequences of head shards: sequence-sharded -> head-sharded is an
+    all-to-all over ``sp`` per tensor (and back for the output). Without sp: no-ops."""
+
+    def run(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh):
+        q_BxSxHxDh = constrain(q_BxSxHxDh, ("batch", "attn_seq", "attn_heads", "head_dim"))
+        k_BxSxKxDh = constrain(k_BxSxKxDh, ("batch", "attn_seq", "attn_kv_heads", "head_dim"))
+        v_BxSxKxDh = constrain(v_BxSxKxDh, ("batch", "attn_seq", "attn_kv_heads", "head_dim"))
+        o_BxSxHxDh = core_fn(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
+        # And back (all-to-all over sp) in the caller's constraint to `seq`.
+        return constrain(o_BxSxHxDh, ("batch", "attn_seq", "attn_heads", "head_dim"))
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------
 # Ring attention
 
 
-def _block_update(carry, q, k, v, mask):
-    """One online-softmax step: fold the block (k, v) into (m, l, acc)."""
-    m_BxKxGxC, l_BxKxGxC, acc_BxKxGxCxDh = carry
-    s = _scores(q, k)
-    if mask is not None:
-        s = jnp.where(mask, s, NEG)
-    m_new = jnp.maximum(m_BxKxGxC, s.max(axis=-1))
-    alpha = jnp.exp(m_BxKxGxC - m_new)
-    p = jnp.exp(s - m_new[..., None])
-    l_new = l_BxKxGxC * alpha + p.sum(axis=-1)
-    pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v).astype(jnp.float32)
-    return m_new, l_new, acc_BxKxGxCxDh * alpha[..., None] + pv
+def _ring_setup(q, k, v, block):
+    bl = flash.Blocks.of(q.shape[1], block)
+    return bl, flash.q_blocks(q, k.shape[2], bl), flash.kv_blocks(k, bl), flash.kv_blocks(v, bl)
 
 
-def _ring_local(q_BxCxHxDh: jax.Array, k_BxCxKxDh: jax.Array, v_BxCxKxDh: jax.Array, axis: str):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ring_local(q_BxCxHxDh, k_BxCxKxDh, v_BxCxKxDh, axis: str, block: int):
     """Per-device body of :func:`ring_attention` (inside ``shard_map`` manual over ``axis``)."""
-    p = jax.lax.axis_size(axis)
-    rank = jax.lax.axis_index(axis)
-    b, c, h, dh = q_BxCxHxDh.shape
-    kvh = k_BxCxKxDh.shape[2]
-    g = h // kvh
-    # Step 0: the diagonal block, causally masked; every row sees its own token, so the
-    # running max is finite from here on (no -inf arithmetic in later steps).
-    carry = (
-        jnp.full((b, kvh, g, c), NEG, jnp.float32),
-        jnp.zeros((b, kvh, g, c), jnp.float32),
-        jnp.zeros((b, kvh, g, c, dh), jnp.float32),
-    )
-    diag_CxC = jnp.tril(jnp.ones((c, c), bool))
-    carry = _block_update(carry, q_BxCxHxDh, k_BxCxKxDh, v_BxCxKxDh, diag_CxC)
+    return _ring_fwd(q_BxCxHxDh, k_BxCxKxDh, v_BxCxKxDh, axis, block)[0]
+
+
+def _ring_fwd(q, k, v, axis, block):
+    p, rank = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    bl, qb, kb, vb = _ring_setup(q, k, v, block)
+    # Step 0: the diagonal block, causally masked.
+    state = flash.forward(qb, kb, vb, bl, causal=True)
     # Each step sends the K/V block one rank up the ring: collective-permute over `axis`.
     perm = [(i, (i + 1) % p) for i in range(p)]
-    kv = (k_BxCxKxDh, v_BxCxKxDh)
+    kv, held = (kb, vb), []
     for step in range(1, p):
         kv = jax.lax.ppermute(kv, axis, perm)
+        held.append(kv)
         # Held block comes from rank − step: visible iff step <= rank, else fully masked.
-        carry = jax.lax.cond(
+        state = jax.lax.cond(
             step <= rank,
-            lambda cr, kv_: _block_update(cr, q_BxCxHxDh, kv_[0], kv_[1], None),
-            lambda cr, kv_: cr,
-            carry,
+            lambda st, kv_: flash.forward(qb, kv_[0], kv_[1], bl, causal=False, state=st),
+            lambda st, kv_: st,
+            state,
             kv,
         )
-    _, l_BxKxGxC, acc = carry
-    out_BxKxGxCxDh = acc / l_BxKxGxC[..., None]
-    out = jnp.transpose(out_BxKxGxCxDh, (0, 3, 1, 2, 4)).reshape(b, c, h, dh)
-    return out.astype(q_BxCxHxDh.dtype)
+    ob, lse = flash.finish(state)
+    ob = ob.astype(q.dtype)
+    return flash.q_unblocks(ob, bl.s), (qb, kb, vb, tuple(held), ob, lse)
+
+
+def _ring_bwd(axis, block, res, do_BxCxHxDh):
+    qb, kb, vb, held, ob, lse = res
+    p, rank = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    c = do_BxCxHxDh.shape[1]
+    bl = flash.Blocks.of(c, block)
+    dob = flash.q_blocks(do_BxCxHxDh, kb.shape[2], bl)
+    delta = jnp.sum(dob.astype(jnp.float32) * ob.astype(jnp.float32), axis=-1)
+    zeros = partial(jnp.zeros_like, dtype=jnp.float32)  # varying over `axis` like x
+    back = [((i + 1) % p, i) for i in range(p)]  # the forward ring's transpose
+    dq, dkv = zeros(qb), (zeros(kb), zeros(vb))
+    # Latest step first: the gradient of the block held at step i is summed into the one sent
+    # back to rank − 1, which held the same block at step i − 1 (autodiff's order, by hand).
+    for step in range(p - 1, 0, -1):
+        kv = held[step - 1]
+        gq, gk, gv = jax.lax.cond(
+            step <= rank,
+            lambda kv_: flash.backward(qb, kv_[0], kv_[1], dob, lse, delta, bl, causal=False),
+            lambda kv_: (zeros(qb), zeros(kb), zeros(vb)),
+            kv,
+        )
+        dq = dq + gq
+        dkv = jax.lax.ppermute((dkv[0] + gk, dkv[1] + gv), axis, back)
+    gq, gk, gv = flash.backward(qb, kb, vb, dob, lse, delta, bl, causal=True)
+    return (
+        flash.q_unblocks(dq + gq, c).astype(qb.dtype),
+        flash.kv_unblocks(dkv[0] + gk, c).astype(kb.dtype),
+        flash.kv_unblocks(dkv[1] + gv, c).astype(vb.dtype),
+    )
+
+
+_ring_local.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(
-    q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, axis: str = "sp"
+    q_BxSxHxDh: jax.Array,
+    k_BxSxKxDh: jax.Array,
+    v_BxSxKxDh: jax.Array,
+    axis: str = "sp",
+    block: int = 64,
 ) -> jax.Array:
     """Causal attention with the sequence sharded over mesh axis ``axis`` (contiguous blocks).
 
     Runs as ``jax.shard_map`` manual over ``axis`` alone on the mesh set by ``jax.set_mesh``
     (inside another ``shard_map``, on what remains of it), so other mesh axes keep their GSPMD
-    shardings (heads over ``tp``, batch over ``dp``) inside the ring.
+    shardings (heads over ``tp``, batch over ``dp``) inside the ring. ``block``: tile size of
+    the blockwise kernel within each device's sequence block.
     """
     spec = P(None, axis, None, None)
     fn = jax.shard_map(
-        lambda q, k, v: _ring_local(q, k, v, axis),
+        lambda q, k, v: _ring_local(q, k, v, axis, block),
         in_specs=(spec, spec, spec),
         out_specs=spec,
         axis_names={axis},

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.attention import causal_attention, kv_repeat, ring_attention
+from jaxpar.model.attention import core as attention_core
+from jaxpar.model.attention import kv_repeat, nvidia, resolve, ring_attention, ulysses
 from jaxpar.model.names import weight
 from jaxpar.sharding import active_rules, constrain
 
@@ -60,7 +61,11 @@ def rope(x_BxSxNxDh: jax.Array, positions: jax.Array, theta: float) -> jax.Array
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention; QKV column-parallel, output row-parallel over ``tp``."""
+    """Grouped-query self-attention; QKV column-parallel, output row-parallel over ``tp``.
+
+    ``__call__`` is :meth:`qkv` → :meth:`core` → :meth:`out`; a decode path with a KV cache
+    calls :meth:`qkv` and :meth:`out` around its own core.
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, k, dh, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.init_std
@@ -79,6 +84,7 @@ class Attention(nnx.Module):
             _normal(rngs, (h, dh, d), out_std), logical_axes=("heads", "head_dim", "embed")
         )
         self.theta = cfg.rope_theta
+        self.attention, self.block = cfg.attention, cfg.attention_block
 
     def __call__(
         self, x_BxSxD: jax.Array, positions_S: jax.Array, attend: Attend | None = None
@@ -88,16 +94,16 @@ class Attention(nnx.Module):
         if attend is not None:
             o_BxSxHxDh = attend(q, k, v)
         else:
-            rules = active_rules()
-            o_BxSxHxDh = self.core(q, k, v, rules.attention if rules else "local")
+            o_BxSxHxDh = self.core(q, k, v)
         return self.out(o_BxSxHxDh)
 
     def qkv(
         self, x_BxSxD: jax.Array, positions_S: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Projections with rotary embeddings applied: q ``[B, S, H, Dh]``, k and v
-        ``[B, S, K·r, Dh]`` (kv heads repeated r times when fewer than the head shards).
-        ``positions_S`` may be ``[B, S]`` (see :func:`rope`)."""
+        ``[B, S, K·r, Dh]`` (kv heads repeated r times, :func:`kv_repeat`, when fewer than the
+        head shards), in the projection layout (seq on sp, heads on tp). ``positions_S`` may
+        be ``[B, S]`` (see :func:`rope`)."""
         dt = x_BxSxD.dtype
         b, s, _ = x_BxSxD.shape
         h, kvh, dh = self.wq.shape[1], self.wk.shape[1], self.wq.shape[2]
@@ -138,19 +144,20 @@ class Attention(nnx.Module):
         out = jnp.einsum("bshk,hkd->bsd", o_BxSxHxDh, weight(self.wo[...].astype(o_BxSxHxDh.dtype)))
         return constrain(out, ("batch", "act_seq", "embed"))
 
-    @staticmethod
-    def core(q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, mode: str):
-        """The attention core: dense (``local``), ``ulysses`` or ``ring``."""
-        if mode == "ring":
-            return ring_attention(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh, "sp")
-        # Ulysses: sequence-sharded -> head-sharded is an all-to-all over sp (each device then
-        # holds full sequences of H/(tp·sp) heads). Without sp these are no-ops.
-        q_BxSxHxDh = constrain(q_BxSxHxDh, ("batch", "attn_seq", "attn_heads", "head_dim"))
-        k_BxSxKxDh = constrain(k_BxSxKxDh, ("batch", "attn_seq", "attn_kv_heads", "head_dim"))
-        v_BxSxKxDh = constrain(v_BxSxKxDh, ("batch", "attn_seq", "attn_kv_heads", "head_dim"))
-        o_BxSxHxDh = causal_attention(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
-        # And back (all-to-all over sp) in the caller's constraint to `seq`.
-        return constrain(o_BxSxHxDh, ("batch", "attn_seq", "attn_heads", "head_dim"))
+    def implementation(self, dtype, head_dim: int) -> str:
+        """The attention implementation this layer runs (:func:`attention.resolve`)."""
+        rules = active_rules()
+        mode = rules.attention if rules else "local"
+        return resolve(self.attention, nvidia(jax.devices()[0]), dtype, head_dim, mode)
+
+    def core(self, q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array):
+        """Causal attention of the layout's parallel form (local, Ulysses or ring) with the
+        implementation ``model.attention`` resolves to."""
+        rules = active_rules()
+        impl = self.implementation(q_BxSxHxDh.dtype, q_BxSxHxDh.shape[-1])
+        if rules is not None and rules.attention == "ring":
+            return ring_attention(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh, "sp", self.block)
+        return ulysses(attention_core(impl, self.block))(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
 
 
 def _fused_columns(ws: list[jax.Array], tp: int, dt, logical: tuple) -> jax.Array:

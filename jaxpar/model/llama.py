@@ -76,16 +76,63 @@ class Head(nnx.Module):
         if not cfg.tied_embeddings:
             w = cfg.init_std * jax.random.normal(rngs.params(), (cfg.d_model, cfg.vocab_size))
             self.w_out = nnx.Param(w, logical_axes=("embed", "vocab"))
+        self.chunk = cfg.loss_chunk
 
-    def logits(self, x_BxSxD: jax.Array, table_VxD: jax.Array | None) -> jax.Array:
+    def _hidden(self, x_BxSxD: jax.Array, table_VxD: jax.Array | None):
         # Norm on the (sequence-sharded under SP) residual stream, then all-gather over tp into
         # the column-parallel vocabulary projection.
         h = constrain(self.norm(x_BxSxD), ("batch", "seq", "embed"))
         w_DxV = table_VxD.T if table_VxD is not None else self.w_out[...]
-        # Vocab-sharded logits: each tp rank holds V/tp columns; fp32 for a stable softmax.
-        w_DxV = weight(w_DxV.astype(h.dtype))
-        logits = jnp.einsum("bsd,dv->bsv", h, w_DxV).astype(jnp.float32)
-        return constrain(logits, ("batch", "seq", "vocab"))
+        return h, weight(w_DxV.astype(h.dtype))
+
+    def logits(self, x_BxSxD: jax.Array, table_VxD: jax.Array | None) -> jax.Array:
+        h, w_DxV = self._hidden(x_BxSxD, table_VxD)
+        return _logits(h, w_DxV)
+
+    def loss(self, x_BxSxD, targets_BxS, table_VxD: jax.Array | None) -> jax.Array:
+        """Mean cross entropy, in sequence chunks of at most ``loss_chunk`` positions.
+
+        Only one chunk's fp32 logits ``[B, C, V/tp]`` exist at a time: a ``lax.scan`` over the
+        chunks whose body is rematerialised, so the backward recomputes each chunk's logits
+        from the normed hidden states (one extra ``[B, S, D] x [D, V]`` matmul) instead of
+        keeping ``[B, S, V]``. Chunk ``k`` takes positions ``k, k + n, k + 2n, ...`` (n
+        chunks): each chunk keeps the sequence sharding (over sp) of the whole.
+        """
+        h, w_DxV = self._hidden(x_BxSxD, table_VxD)
+        b, s, d = h.shape
+        n = _chunks(s, self.chunk)
+        if n == 1:
+            return _chunk_loss(h, targets_BxS, w_DxV) / (b * s)
+        c = s // n
+        h_NxBxCxD = jnp.moveaxis(h.reshape(b, c, n, d), 2, 0)
+        t_NxBxC = jnp.moveaxis(targets_BxS.reshape(b, c, n), 2, 0)
+        body = jax.checkpoint(_chunk_loss, policy=jax.checkpoint_policies.nothing_saveable)
+
+        def step(total, xs):
+            return total + body(xs[0], xs[1], w_DxV), None
+
+        total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (h_NxBxCxD, t_NxBxC))
+        return total / (b * s)
+
+
+def _chunks(s: int, chunk: int) -> int:
+    """The fewest equal chunks of at most ``chunk`` positions that cut ``s``."""
+    n = -(-s // chunk)
+    while s % n:
+        n += 1
+    return n
+
+
+def _logits(h_BxSxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
+    # Vocab-sharded logits: each tp rank holds V/tp columns; fp32 for a stable softmax.
+    logits = jnp.einsum("bsd,dv->bsv", h_BxSxD, w_DxV).astype(jnp.float32)
+    return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def _chunk_loss(h_BxCxD: jax.Array, targets_BxC: jax.Array, w_DxV: jax.Array) -> jax.Array:
+    """Summed cross entropy of one chunk (nats, fp32)."""
+    h_BxCxD = constrain(h_BxCxD, ("batch", "seq", "embed"))
+    return cross_entropy(_logits(h_BxCxD, w_DxV), targets_BxC) * targets_BxC.size
 
 
 def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array) -> jax.Array:
@@ -184,16 +231,40 @@ class Model:
         positions_S: jax.Array,
         wrap: Callable[[Callable], Callable] | None = None,
     ) -> jax.Array:
-        """Apply a stack of blocks with ``lax.scan`` (compile time independent of depth).
+        """Apply a stack of blocks (leading ``layers`` axis), in order.
 
-        ``wrap`` transforms the per-layer body, e.g. ``jax.checkpoint`` with a remat policy.
+        ``wrap`` transforms the per-layer body ``(x, layer_params) -> (x, None)``, e.g.
+        ``jax.checkpoint`` with a remat policy, or a ZeRO-3 gather of the layer's weights.
+        ``model.layer_unroll`` chooses the loop (:meth:`loop_unroll`).
         """
 
         def body(x, layer_params):
             return self.block(layer_params, x, positions_S), None
 
-        x_BxSxD, _ = jax.lax.scan(wrap(body) if wrap else body, x_BxSxD, stacked)
+        fn = wrap(body) if wrap else body
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        unroll = self.loop_unroll(n, wrap is not None)
+        if unroll is None:
+            for i in range(n):
+                x_BxSxD, _ = fn(x_BxSxD, jax.tree.map(lambda a, i=i: a[i], stacked))
+            return x_BxSxD
+        x_BxSxD, _ = jax.lax.scan(fn, x_BxSxD, stacked, unroll=unroll)
         return x_BxSxD
+
+    def loop_unroll(self, n_layers: int, wrapped: bool) -> int | None:
+        """How :meth:`blocks` loops over ``n_layers`` layers: ``None`` for straight-line code
+        (``layer_unroll`` 0), else the ``lax.scan`` unroll factor.
+
+        Unrolled layers keep each layer's residuals as separate buffers; a rolled scan writes
+        them into ``[L, ...]`` stacks in the forward and reads them back in the backward. A
+        wrapped body (remat, ZeRO-3 gathers) always runs in a rolled scan: in straight-line
+        code (which a scan unrolled to its length also becomes) XLA may merge the backward's
+        recomputation with the forward and keep what the wrap meant to drop.
+        """
+        u = self.cfg.layer_unroll
+        if wrapped:
+            return 1
+        return None if u == 0 else min(u, n_layers)
 
     def logits(self, params: Params, x_BxSxD: jax.Array) -> jax.Array:
         """Final norm and vocabulary projection, fp32 ``[B, S, V]``."""
@@ -201,8 +272,10 @@ class Model:
         return self._bind("head", params["head"]).logits(x_BxSxD, table)
 
     def head_loss(self, params: Params, x_BxSxD: jax.Array, targets_BxS: jax.Array):
-        """Mean cross entropy of the last hidden states against the targets."""
-        return cross_entropy(self.logits(params, x_BxSxD), targets_BxS)
+        """Mean cross entropy of the last hidden states against the targets (chunked over
+        the sequence, :meth:`Head.loss`: never ``[B, S, V]`` fp32 logits at once)."""
+        table = params["embed"]["table"] if self.cfg.tied_embeddings else None
+        return self._bind("head", params["head"]).loss(x_BxSxD, targets_BxS, table)
 
     def head_params(self, params: Params) -> Params:
         """The parameters :meth:`head_loss` reads (the embedding table too when tied)."""

@@ -21,6 +21,7 @@ from jaxpar.devices import make_mesh
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.lock import LOCK_NAME, RunLock
 from jaxpar.metrics import MetricsLog, Progress, device_memory
+from jaxpar.model.attention import implementation_for
 from jaxpar.profiling import StepProfiler
 from jaxpar.train import load_data
 from jaxpar.train.guard import (
@@ -85,6 +86,7 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
             hf.check(t.init_from_hf, cfg.model)  # names a mismatching tensor before compiling
         tb = TensorBoard(t.tensorboard_dir) if t.tensorboard_dir else None
         devices = _devices_for(cfg, devices)
+        attention = implementation_for(cfg, devices[0])  # refuses e.g. cudnn on CPU, pre-compile
         mesh = make_mesh(cfg.layout, devices)
         trainer = Trainer(cfg, mesh)
         with StopRequest(multi_process=jax.process_count() > 1) as stop:
@@ -104,9 +106,10 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
                     state["params"] = hf.load(t.init_from_hf, cfg.model, trainer.param_shardings)
             div = Divergence(t.max_skipped_steps, t.divergence_factor, meta.get("first_loss"),
                              int(meta.get("diverged_steps", 0)))  # fmt: skip
-            return _train(
+            out = _train(
                 cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices, div
             )
+            return {**out, "attention": attention}
     finally:
         for lock in locks:
             lock.release()

@@ -1,0 +1,435 @@
+"""jaxpar against PyTorch on the same Llama: step-time ratios measured in one run.
+
+The PyTorch model has jaxpar's block (RMSNorm, rotary half-split, grouped-query attention
+through ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``, SwiGLU, untied head),
+the same shapes, init scale, AdamW (β 0.9/0.95, weight decay 0.1) and global-norm clipping at 1.
+Pairs, same global batch:
+
+==========  =============================  ==========================================
+config      jaxpar                         PyTorch (CPU, gloo)
+==========  =============================  ==========================================
+single      1 device                       eager, one process
+single_mb4  1 device, 4 micro-batches      eager, one process (no accumulation)
+ddp4        dp 4, ZeRO-0                   DistributedDataParallel, 4 processes
+zero3x4     dp 4, ZeRO-3                   FSDP2 (``fully_shard`` per block), 4 processes
+pp2         pp 2, 1F1B, 4 micro-batches    ``torch.distributed.pipelining`` Schedule1F1B
+==========  =============================  ==========================================
+
+Every side runs in a long-lived worker subprocess (jaxpar with exactly the simulated CPU
+devices its layout needs: simulating 8 while using 1 costs a few percent) that compiles or
+warms up once and then runs timed bursts of steps on request. The coordinator interleaves the
+bursts (ABBA order over ``--repeats`` rounds) and reports median step times and the
+jaxpar/PyTorch ratio per config: on a shared machine a ratio from interleaved bursts is worth
+more than either absolute time. Both sides use every core of the machine (PyTorch's ranks
+split them). Last line of stdout: one JSON object.
+
+    python scripts/bench_torch.py                        # both shapes, all configs
+    python scripts/bench_torch.py --shapes issue --configs single,ddp4 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+SHAPES = {
+    # The shape of issue 13 (jaxpar's default tiny model at its full context).
+    "issue": dict(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, d_ff=768, vocab_size=256,
+                  seq=256, batch=16),
+    # Wider and longer: d 512 (head dim 64), 1024 positions.
+    "wide": dict(n_layers=4, d_model=512, n_heads=8, n_kv_heads=4, d_ff=1536, vocab_size=256,
+                 seq=1024, batch=4),
+}  # fmt: skip
+# jaxpar's settings per shape (what pays on CPU, README "Attention, the layer loop and the
+# loss"): straight-line layers; tiles of 128 for 64-wide heads (the score tile of the issue
+# shape at 64 and of the wide one at 128 are both 2 MiB: 0.93x the step at 64 for the wide one).
+JAXPAR = {"issue": {"layer_unroll": 0}, "wide": {"layer_unroll": 0, "attention_block": 128}}
+CONFIGS = {
+    "single": dict(devices=1, layout=dict(dp=1), torch="eager"),
+    # Gradient accumulation over 4 micro-batches (same global batch and update) against eager
+    # without: on CPU the smaller working set stays in cache (PyTorch gains nothing from it).
+    "single_mb4": dict(devices=1, layout=dict(dp=1, microbatches=4), torch="eager"),
+    "ddp4": dict(devices=4, layout=dict(dp=4, zero=0), torch="ddp"),
+    "zero3x4": dict(devices=4, layout=dict(dp=4, zero=3), torch="fsdp2"),
+    "pp2": dict(devices=2, layout=dict(pp=2, schedule="1f1b", microbatches=4), torch="pp"),
+}
+TAG = "@@bench "  # protocol lines on a worker's stdout start with this
+
+
+def _say(obj) -> None:
+    print(TAG + json.dumps(obj), flush=True)
+
+
+def _commands():
+    """Requests from the coordinator, one JSON object per stdin line."""
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("quit"):
+            return
+        yield req
+
+
+def _tokens(shape: dict, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, shape["vocab_size"], (shape["batch"], shape["seq"] + 1), np.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# jaxpar worker
+
+
+def jax_worker(shape_name: str, config: str, model_overrides: dict) -> None:
+    """Compile the jaxpar train step of ``config`` and serve timed bursts."""
+    spec, shape = CONFIGS[config], SHAPES[shape_name]
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", spec["devices"])
+    from jaxpar import config as C
+    from jaxpar.devices import make_mesh
+    from jaxpar.train.step import Trainer
+
+    cfg = C.load("tiny", "cpu-8")
+    for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        setattr(cfg.model, k, shape[k])
+    cfg.model.max_seq_len = shape["seq"]
+    for k, v in model_overrides.items():
+        C.override(cfg, f"model.{k}", v)
+    lay = cfg.layout
+    lay.dp, lay.tp, lay.pp, lay.sp, lay.zero, lay.microbatches = 1, 1, 1, 1, 1, 1
+    lay.remat = "none"
+    for k, v in spec["layout"].items():
+        setattr(lay, k, v)
+    cfg.mesh.devices = spec["devices"]
+    cfg.train.global_batch, cfg.train.seq_len = shape["batch"], shape["seq"]
+    C.validate(cfg, spec["devices"])
+    tr = Trainer(cfg, make_mesh(lay, jax.devices()))
+    state = tr.init_state(0)
+    batch = jax.device_put(_tokens(shape), tr.batch_sharding)
+    t0 = time.perf_counter()
+    tr.compile_step()
+    compile_s = time.perf_counter() - t0
+    losses = []
+    for _ in range(2):
+        state, m = tr.step(state, batch)
+        losses.append(float(m["loss"]))
+    from jaxpar.model.attention import nvidia, resolve
+
+    impl = resolve(
+        cfg.model.attention, nvidia(jax.devices()[0]), tr.compute_dtype, cfg.model.hd,
+        tr.rules.attention,
+    )  # fmt: skip
+    _say({"ready": True, "compile_s": compile_s, "first_loss": losses[0], "attention": impl})
+    for req in _commands():
+        times = []
+        for _ in range(req["steps"]):
+            t = time.perf_counter()
+            state, m = tr.step(state, batch)
+            float(m["loss"])  # waits for the step
+            times.append(time.perf_counter() - t)
+        _say({"times": times})
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch: the model
+
+
+def _torch_model(shape: dict):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    d, h, kvh, f, v = (shape[k] for k in ("d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"))
+    hd, L, std = d // h, shape["n_layers"], 0.02
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+    def linear(n_in, n_out, s=std):
+        lin = nn.Linear(n_in, n_out, bias=False)
+        nn.init.normal_(lin.weight, std=s)
+        return lin
+
+    half = hd // 2
+    freq = 10000.0 ** (-torch.arange(half, dtype=torch.float32) / half)
+    angle = torch.arange(shape["seq"], dtype=torch.float32)[:, None] * freq[None, :]
+
+    def rope(x):  # [B, H, S, Dh], half-split as jaxpar
+        cos, sin = angle.cos()[: x.shape[2]], angle.sin()[: x.shape[2]]
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            out_std = std / (2 * L) ** 0.5
+            self.n1, self.n2 = RMSNorm(), RMSNorm()
+            self.wq, self.wk, self.wv = linear(d, h * hd), linear(d, kvh * hd), linear(d, kvh * hd)
+            self.wo = linear(h * hd, d, out_std)
+            self.gate, self.up, self.down = linear(d, f), linear(d, f), linear(f, d, out_std)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            y = self.n1(x)
+            q = rope(self.wq(y).view(b, s, h, hd).transpose(1, 2))
+            k = rope(self.wk(y).view(b, s, kvh, hd).transpose(1, 2))
+            val = self.wv(y).view(b, s, kvh, hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, val, is_causal=True, enable_gqa=True)
+            x = x + self.wo(o.transpose(1, 2).reshape(b, s, h * hd))
+            y = self.n2(x)
+            return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(v, d)
+            nn.init.normal_(self.table.weight, std=std)
+
+        def forward(self, tokens):
+            return self.table(tokens)
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.out = RMSNorm(), linear(d, v)
+
+        def forward(self, x):
+            return self.out(self.norm(x))
+
+    return nn.Sequential(Embed(), *[Block() for _ in range(L)], Head())
+
+
+def _loss(logits, targets):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch: one rank
+
+
+def _rank_main(rank: int, world: int, kind: str, shape: dict, port: int, cmd_q, res_q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.manual_seed(0)
+    if world > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+    model = _torch_model(shape)
+    tok = torch.from_numpy(_tokens(shape)).long()
+    x_all, y_all = tok[:, :-1], tok[:, 1:]
+    if kind in ("ddp", "fsdp2"):
+        per = shape["batch"] // world
+        x, y = x_all[rank * per : (rank + 1) * per], y_all[rank * per : (rank + 1) * per]
+    else:
+        x, y = x_all, y_all
+    schedule = None
+    if kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in list(model)[1:-1]:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "pp":
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        mods = list(model)
+        per = (len(mods) - 2) // world  # blocks per stage; embed first, head last
+        lo = 0 if rank == 0 else 1 + rank * per
+        hi = 1 + (rank + 1) * per if rank < world - 1 else len(mods)
+        model = torch.nn.Sequential(*mods[lo:hi])
+        stage = PipelineStage(model, rank, world, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=_loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        if schedule is not None:
+            losses: list = []
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=losses)
+            loss = float(sum(losses) / len(losses)) if losses else float("nan")
+        else:
+            loss_t = _loss(model(x), y)
+            loss_t.backward()
+            loss = float(loss_t)
+        # Stage-local norm under pp (a global one needs another collective); timing only.
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    first = [step() for _ in range(2)][0]
+    res_q.put({"rank": rank, "ready": True, "first_loss": first})
+    while True:
+        req = cmd_q.get()
+        if req.get("quit"):
+            break
+        times = []
+        for _ in range(req["steps"]):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        res_q.put({"rank": rank, "times": times})
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def torch_worker(shape_name: str, config: str) -> None:
+    """Start the ranks of ``config`` and serve timed bursts (per step: the slowest rank)."""
+    import torch.multiprocessing as mp
+
+    spec, shape = CONFIGS[config], SHAPES[shape_name]
+    world, kind = spec["devices"], spec["torch"]
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd_qs, res_q = [ctx.Queue() for _ in range(world)], ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, kind, shape, port, cmd_qs[r], res_q))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+
+    def gather():
+        got = [res_q.get() for _ in range(world)]
+        return sorted(got, key=lambda g: g["rank"])
+
+    t0 = time.perf_counter()
+    ready = gather()
+    loss = [g["first_loss"] for g in ready if not math.isnan(g["first_loss"])]
+    _say({"ready": True, "compile_s": time.perf_counter() - t0, "first_loss": loss[-1]})
+    for req in _commands():
+        for q in cmd_qs:
+            q.put(req)
+        per_rank = [g["times"] for g in gather()]
+        _say({"times": [max(ts) for ts in zip(*per_rank, strict=True)]})
+    for q in cmd_qs:
+        q.put({"quit": True})
+    for p in procs:
+        p.join()
+
+
+# --------------------------------------------------------------------------------------------
+# Coordinator
+
+
+class Worker:
+    """A worker subprocess speaking the line protocol."""
+
+    def __init__(self, args: list[str]):
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG) :])
+        raise RuntimeError(f"worker {self.proc.args[2:]} exited with {self.proc.wait()}")
+
+    def run(self, steps: int) -> list[float]:
+        self.proc.stdin.write(json.dumps({"steps": steps}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["times"]
+
+    def close(self) -> None:
+        self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: dict) -> dict:
+    """Interleaved bursts of jaxpar and PyTorch steps for one (shape, config)."""
+    load0 = os.getloadavg()[0]
+    jx = Worker(["--worker", "jax", shape, config, json.dumps(JAXPAR[shape] | model_overrides)])
+    pt = Worker(["--worker", "torch", shape, config])
+    times = {"jaxpar": [], "torch": []}
+    try:
+        for r in range(repeats):
+            pairs = (("jaxpar", jx), ("torch", pt))
+            for name, w in pairs if r % 2 == 0 else pairs[::-1]:
+                times[name] += w.run(steps)
+    finally:
+        jx.close()
+        pt.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    row = {
+        "shape": shape,
+        "config": config,
+        "jaxpar_step_s": med["jaxpar"],
+        "torch_step_s": med["torch"],
+        "ratio": med["jaxpar"] / med["torch"],
+        "jaxpar_first_loss": jx.info["first_loss"],
+        "torch_first_loss": pt.info["first_loss"],
+        "jaxpar_compile_s": jx.info["compile_s"],
+        "attention": jx.info.get("attention"),
+        "jaxpar_model": JAXPAR[shape] | model_overrides,
+        "steps": len(times["jaxpar"]),
+        "load_avg_1m": [load0, os.getloadavg()[0]],  # before and after: the machine is shared
+    }
+    print(
+        f"{shape:6s} {config:8s} jaxpar {med['jaxpar']:.3f} s  torch {med['torch']:.3f} s  "
+        f"ratio {row['ratio']:.2f}  (load {row['load_avg_1m'][0]:.1f}-{row['load_avg_1m'][1]:.1f})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        kind, shape, config = sys.argv[2:5]
+        if kind == "jax":
+            jax_worker(shape, config, json.loads(sys.argv[5]))
+        else:
+            torch_worker(shape, config)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="issue,wide")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--steps", type=int, default=3, help="steps per burst")
+    ap.add_argument("--repeats", type=int, default=4, help="bursts per side (interleaved)")
+    ap.add_argument("-o", dest="model", action="append", default=[], metavar="FIELD=VALUE",
+                    help="jaxpar model override, e.g. -o layer_unroll=1")  # fmt: skip
+    args = ap.parse_args()
+    overrides = dict(kv.split("=", 1) for kv in args.model)
+    rows = [
+        compare(s, c, args.steps, args.repeats, overrides)
+        for s in args.shapes.split(",")
+        for c in args.configs.split(",")
+    ]
+    print(json.dumps({"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
