@@ -38,7 +38,7 @@ def loss_and_grads(cfg):
     params = tr.init_state(0)["params"]
     batch = Batches(load_corpus("stdlib", 256), 16, 16, seed=3).global_array(0, tr.batch_sharding)
     loss, g = tr.grads(params, batch)
-    return float(loss), jax.tree.map(np.asarray, g)
+    return float(loss), jax.tree.map(np.asarray, tr.reorder_layers(g, "canonical"))
 
 
 @functools.cache
