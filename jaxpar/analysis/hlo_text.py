@@ -181,7 +181,7 @@ def execution_counts(
     def visit(c: str) -> None:  # post-order DFS, then reverse: callers before callees
         seen.add(c)
         for ins in comps.get(c, []):
-            for callee in _callees(ins):
+            for callee in callees(ins):
                 if callee in comps and callee not in seen:
                     visit(callee)
         order.append(c)
@@ -198,15 +198,15 @@ def execution_counts(
                 else:
                     k = False
                     unknown.append(ins.name)
-            callees = _callees(ins)
+            called = callees(ins)
             weights = branch_weights(ins) if ins.opcode == "conditional" else None
             pred = re.search(r"true_computation=%?([\w.\-]+).*false_computation=%?([\w.\-]+)",
                              ins.attrs)  # fmt: skip
             if pred:  # the predicate form: branch 0 is false, 1 is true
-                callees = [pred.group(2), pred.group(1)]
-            if weights is not None and len(weights) != len(callees):
+                called = [pred.group(2), pred.group(1)]
+            if weights is not None and len(weights) != len(called):
                 weights = None  # XLA rewrote the branches: fall back to the upper bound
-            for i, callee in enumerate(callees):
+            for i, callee in enumerate(called):
                 if callee not in comps:
                     continue
                 t0, k0, c0 = mult.get(callee, (0, True, False))
@@ -216,7 +216,8 @@ def execution_counts(
     return mult, unknown
 
 
-def _callees(ins: Instr) -> list[str]:
+def callees(ins: Instr) -> list[str]:
+    """Computations ``ins`` calls (branches, loop body and condition, fused code, ...)."""
     # async-update/-done repeat the wrapped computation of their async-start: count it once.
     if ins.opcode in ("async-update", "async-done") or ins.opcode.endswith("-done"):
         return []

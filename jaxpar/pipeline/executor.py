@@ -165,6 +165,23 @@ def _write_if(buf: jax.Array, k: jax.Array, value: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(buf, new, i, 0)
 
 
+def _read_slots(ins: dict, row) -> dict:
+    """The backward's slots of the stash, taps and dys buffers (read inside the branch: the
+    buffers enter the switch read-only, so no slot-sized copy is made before it)."""
+    return dict(
+        ins,
+        stash=[_slot(b, row["b_stash"]) for b in ins["stash"]],
+        taps=[_slot(b, row["b_taps"]) for b in ins["taps"]],
+        wpend=[_slot(b, row["b_dys"]) for b in ins["wpend"]],
+    )
+
+
+def _after(x: jax.Array) -> jax.Array:
+    """An int32 zero that data-depends on ``x`` (``0·x`` is not folded for floats, and a
+    non-finite ``x`` converts to 0 too)."""
+    return (jnp.ravel(x)[0] * 0).astype(jnp.int32)
+
+
 def _write_all(bufs: list[jax.Array], k: jax.Array, values: list[jax.Array]) -> list[jax.Array]:
     return [_write_if(b, k, x) for b, x in zip(bufs, values, strict=True)]
 
@@ -323,15 +340,18 @@ def run_local(
         return b_out0
 
     def b_bwd(row, ins):
+        ins = _read_slots(ins, row)
         d_chunk, dx = stage.backward(chunk(row["b_chunk"]), ins["stash"], ins["taps"], ins["g"])
         return dict(b_out0, dx=dx, d_chunk=reduce(d_chunk), d_embed=embed_grad(row, dx))
 
     def b_inp(row, ins):
+        ins = _read_slots(ins, row)
         d_small, dx, wpend = stage.input_grads(chunk(row["b_chunk"]), ins["stash"], ins["g"])
         return dict(b_out0, dx=dx, d_chunk=reduce(d_small, keep), d_embed=embed_grad(row, dx),
                     wpend=wpend)  # fmt: skip
 
     def b_wgt(row, ins):
+        ins = _read_slots(ins, row)
         d = stage.weight_grads(chunk(row["b_chunk"]), ins["taps"], ins["wpend"])
         return dict(b_out0, d_chunk=reduce(d))
 
@@ -377,21 +397,25 @@ def run_local(
                 "g": jnp.where(row["b_stage"] == last, _slot(c["cot"], row["b_cot"]),
                                _slot(c["grad"], row["b_in"])) if n["cot"]
                 else _slot(c["grad"], row["b_in"]),
-                "stash": [_slot(b, row["b_stash"]) for b in c["stash"]],
-                "taps": [_slot(b, row["b_taps"]) for b in c["taps"]],
-                "wpend": [_slot(b, row["b_dys"]) for b in c["wpend"]],
+                "stash": c["stash"],
+                "taps": c["taps"],
+                "wpend": c["wpend"],
             }  # fmt: skip
             bo = _switch(row["b_kind"], b_branches, plan.fraction("b_kind", 4), row, ins)
             dx = (
                 jnp.where(row["f_kind"] == F_CODE["FB"], fo["dx"], bo["dx"]) if has_fb else bo["dx"]
             )
             arr_grad = send("grad", dx, row)
-            # ---- end of tick: every write, in place
+            # ---- end of tick: every write, in place. The forward's stash, taps and cot writes
+            # land after the backward has read those buffers: their slot index depends on the
+            # backward's output. Without that data dependency XLA cannot order the read before
+            # the in-place write and copies each buffer twice per tick.
+            after = _after(bo["dx"])
             i_write = jnp.where(row["b_kind"] == B_CODE["I"], row["b_dys"], -1)
             c = dict(
                 c,
-                stash=_write_all(c["stash"], row["f_stash"], fo["stash"]),
-                taps=_write_all(c["taps"], row["f_taps"], fo["taps"]),
+                stash=_write_all(c["stash"], row["f_stash"] + after, fo["stash"]),
+                taps=_write_all(c["taps"], row["f_taps"] + after, fo["taps"]),
                 wpend=_write_all(c["wpend"], i_write, bo["wpend"]),
                 acc=_accumulate(c["acc"], row, bo["d_chunk"], fo["d_chunk"] if has_fb else None, v),
                 acc_embed=jax.tree.map(jnp.add, c["acc_embed"], bo["d_embed"]),
@@ -399,7 +423,7 @@ def run_local(
                 grad=file(c["grad"], "recv_grad", arr_grad, row),
             )  # fmt: skip
             if n["cot"]:
-                c["cot"] = _write_if(c["cot"], row["f_cot"], fo["cot"])
+                c["cot"] = _write_if(c["cot"], row["f_cot"] + after, fo["cot"])
         c["act"] = file(c["act"], "recv_act", arr_act, row)
         return c, None
 
