@@ -82,6 +82,25 @@ def _block_update(carry, q, k, v, mask):
     return m_new, l_new, acc_BxKxGxCxDh * alpha[..., None] + pv
 
 
+def _shift_up(x: jax.Array, axis: str, p: int, rank: jax.Array) -> jax.Array:
+    """Rank ``r``'s ``x`` to rank ``r + 1`` (mod ``p``) of ``axis``.
+
+    A collective-permute, except inside a pipeline (``pp`` manual): there ranks of different
+    pipeline stages run different branches at once, and XLA's CPU runtime meets every
+    collective-permute over the devices of *all* its pairs (every sp group of every stage; all
+    of them share one channel id), so the ring of one stage would wait for, or swap buffers
+    with, another stage's. An all-to-all is grouped per sp group and is met by that group
+    alone: the block goes in the slot of rank ``r + 1``, zeros in the others (the same wire
+    bytes at ``p = 2``, ``p - 1`` times them beyond).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if "pp" not in mesh.manual_axes or mesh.shape.get("pp", 1) == 1:
+        return jax.lax.ppermute(x, axis, [(i, (i + 1) % p) for i in range(p)])
+    slots_PxX = jnp.zeros((p, *x.shape), x.dtype).at[(rank + 1) % p].set(x)
+    got_PxX = jax.lax.all_to_all(slots_PxX, axis, 0, 0)  # got[i]: what rank i sent here
+    return got_PxX[(rank - 1) % p]
+
+
 def _ring_local(q_BxCxHxDh: jax.Array, k_BxCxKxDh: jax.Array, v_BxCxKxDh: jax.Array, axis: str):
     """Per-device body of :func:`ring_attention` (inside ``shard_map`` manual over ``axis``)."""
     p = jax.lax.axis_size(axis)
@@ -99,10 +118,9 @@ def _ring_local(q_BxCxHxDh: jax.Array, k_BxCxKxDh: jax.Array, v_BxCxKxDh: jax.Ar
     diag_CxC = jnp.tril(jnp.ones((c, c), bool))
     carry = _block_update(carry, q_BxCxHxDh, k_BxCxKxDh, v_BxCxKxDh, diag_CxC)
     # Each step sends the K/V block one rank up the ring: collective-permute over `axis`.
-    perm = [(i, (i + 1) % p) for i in range(p)]
     kv = (k_BxCxKxDh, v_BxCxKxDh)
     for step in range(1, p):
-        kv = jax.lax.ppermute(kv, axis, perm)
+        kv = jax.tree.map(lambda x: _shift_up(x, axis, p, rank), kv)
         # Held block comes from rank − step: visible iff step <= rank, else fully masked.
         carry = jax.lax.cond(
             step <= rank,

@@ -222,6 +222,7 @@ def on_local_blocks(fn: Callable, spec: P, x: jax.Array) -> jax.Array:
     auto = tuple(a for a in mesh.auto_axes if mesh.shape[a] > 1)  # size 1: nothing to split
     if not auto:
         return fn(x)
+    spec = _drop_axes(spec, set(mesh.axis_names) - set(auto))  # e.g. tp of size 1 beside sp 2
     return jax.shard_map(fn, in_specs=spec, out_specs=spec, axis_names=set(auto), check_vma=False)(
         x
     )
