@@ -38,9 +38,13 @@ class Executor:
       attention); ``overlap_dp``: share of the backward (forward too
       for ZeRO-3's gathers) that can hide the data-parallel traffic.
     * ``carry_copies``: extra copies of the pipeline scan's carry (stashes, accumulators) the
-      compiled tick holds — XLA's CPU compile copies most of the carry in every switch branch
-      (jax-ml/jax#38145); calibrated on one pipeline layout (BENCHMARKS.md). A tick whose
-      branches touch only their own slots makes it 0.
+      compiled tick holds — XLA's CPU compile copies the carry in every switch branch that
+      passes it through (jax-ml/jax#38145). jaxpar's branches touch only their own slots and
+      its slot writes are ordered after the reads: 0 (the HLO's copy bytes per tick,
+      ``scripts/bench_pipeline.py``).
+    * ``tick_stashes``: stash-sized residual sets a tick holds beyond the schedule's peak (the
+      backward's slot read out of the buffer and its working set); calibrated on one pipeline
+      layout (BENCHMARKS.md).
     """
 
     name: str = "jaxpar"
@@ -54,7 +58,8 @@ class Executor:
     score_bytes: float = 24.0
     overlap_tp: float = 0.0
     overlap_dp: float = 0.8
-    carry_copies: float = 0.89
+    carry_copies: float = 0.0
+    tick_stashes: float = 1.0
 
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""
