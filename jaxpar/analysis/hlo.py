@@ -53,6 +53,7 @@ from jaxpar.analysis.hlo_text import (
     parse_module,
     replica_groups,
     shape_bytes,
+    split_top,
 )
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -214,8 +215,12 @@ def copy_bytes(compiled_or_hlo_text: Any) -> dict[str, Any]:
     annotated branches weighted as :func:`collective_bytes` does; copies inside a fusion are
     part of that fusion's output and not counted.
 
-    Returns ``total`` and ``loops``: per ``while`` body (with what it calls), its trips and
-    copied bytes per trip — for the pipeline's tick scan, the bytes copied per tick.
+    Returns ``total`` and ``loops``: per ``while`` body (with what it calls), its trips, the
+    bytes copied per trip, and ``carry_bytes_per_trip``: those of copies shaped like one of the
+    buffers the loop updates (what XLA adds when such a buffer passes through a conditional,
+    jax-ml/jax#38145; loop-invariant buffers, e.g. zeros XLA hoisted out of the body, are not
+    among them; ``updated_state_bytes`` is their size) — for the pipeline's tick scan, the bytes
+    copied per tick.
     """
     text = compiled_or_hlo_text
     if not isinstance(text, str):
@@ -241,11 +246,48 @@ def copy_bytes(compiled_or_hlo_text: Any) -> dict[str, Any]:
                 continue
             b, n = body.group(1), int(trips.group(1)) if trips else 1
             # Everything the body runs (branches weighted), per execution of the body.
-            per_run = mult[b][0]
-            inside = _reachable(comps, b)
-            moved = sum(own.get(c, 0.0) * mult.get(c, (0,))[0] for c in inside)
-            loops.append({"body": b, "trips": n, "bytes_per_trip": moved / per_run if per_run else 0})
+            per_run = mult[b][0] or 1
+            inside = _reachable(comps, b) - fused
+            carried, state_bytes = _updated_shapes(comps[b])
+            moved = carry = 0.0
+            for c in inside:
+                for j in comps[c]:
+                    if j.opcode not in ("copy", "copy-start"):
+                        continue
+                    nbytes = shape_bytes(j.shape) * mult.get(c, (0,))[0] / per_run
+                    moved += nbytes
+                    if set(_ARRAYS.findall(j.shape)) & carried:
+                        carry += nbytes
+            loops.append({"body": b, "trips": n, "bytes_per_trip": moved,
+                          "carry_bytes_per_trip": carry,
+                          "updated_state_bytes": state_bytes})  # fmt: skip
     return {"total": total, "loops": loops}
+
+
+_ARRAYS = re.compile(r"\b([a-z]+[0-9a-z]*)\[([^\]]*)\]")
+
+
+def _updated_shapes(body: list) -> tuple[set[tuple[str, str]], float]:
+    """Array shapes of the loop state elements a ``while`` body changes (not passed through),
+    and their bytes."""
+    params = {i.name for i in body if i.opcode == "parameter"}
+    gte = {
+        i.name: int(m.group(1))
+        for i in body
+        if i.opcode == "get-tuple-element" and i.operands and i.operands[0] in params
+        and (m := re.search(r"index=(\d+)", i.attrs))
+    }  # fmt: skip
+    root = body[-1]
+    for i in body:  # the ROOT is the tuple of the next state
+        if i.opcode == "tuple" and i is body[-1]:
+            root = i
+    elems = split_top(root.shape[1:-1]) if root.shape.startswith("(") else []
+    out, nbytes = set(), 0.0
+    for k, (op, shape) in enumerate(zip(root.operands, elems, strict=False)):
+        if gte.get(op) != k:
+            out |= {a for a in _ARRAYS.findall(shape) if a[1]}
+            nbytes += shape_bytes(shape)
+    return out, nbytes
 
 
 def _reachable(comps: dict, start: str) -> set[str]:

@@ -100,7 +100,8 @@ def as_arrays(schedule: Schedule) -> dict[str, np.ndarray]:
     """Integer arrays of ``schedule`` for the executor (layout in the module docstring).
 
     Keys: :data:`PER_TICK` (int32 ``[T, P]``); ``recv_act``, ``recv_grad`` (int32
-    ``[T, P, 3]``); ``n_<buffer>_slots`` for :data:`BUFFERS` (int32 scalars).
+    ``[T, P, 3]``); ``n_<buffer>_slots`` for :data:`BUFFERS` (int32 scalars). A table of
+    forwards alone (evaluation) has no backward phase, cotangents or stashes.
     """
     p, T, S, m = schedule.p, schedule.num_ticks, schedule.num_stages, schedule.m
     tick, place = schedule.tick_of(), schedule.placement
@@ -136,7 +137,7 @@ def as_arrays(schedule: Schedule) -> dict[str, np.ndarray]:
                 if buf == "act" and s > 0:
                     msgs.append((place[s - 1], place[s], tick[("F", s - 1, j)],
                                  tick[("F", s, j)], (s, j)))  # fmt: skip
-                if buf == "grad" and s < S - 1:
+                if buf == "grad" and s < S - 1 and bwd:  # (none in a forward-only table)
                     msgs.append((place[s + 1], place[s], tick[(bwd[(s + 1, j)], s + 1, j)],
                                  tick[(bwd[(s, j)], s, j)], (s, j)))  # fmt: skip
         counts[buf] = 0
@@ -154,6 +155,8 @@ def as_arrays(schedule: Schedule) -> dict[str, np.ndarray]:
 
     # Per-rank buffers: (write tick, last read tick, item) -> slot fields of both ends.
     def spans(buf: str, s: int, j: int):
+        if not bwd:  # forward only: nothing waits for a backward
+            return None
         b = bwd[(s, j)]
         last = ("B" if b == "B" else "W", s, j)
         if (s, j) in fb:
