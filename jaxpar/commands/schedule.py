@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
                 "lockstep_bubble_fraction": st.lockstep_bubble_fraction,
                 "peak_inflight": st.peak_inflight,
                 "peak_stashes": st.peak_stashes,
-                "fused_ticks": sum(any(len(c) > 1 for c in col) for col in zip(*sched.ticks, strict=True)),
+                "fused_ticks": sum(
+                    any(len(c) > 1 for c in col) for col in zip(*sched.ticks, strict=True)
+                ),
                 "plot": args.plot,
             }
         )
