@@ -134,7 +134,8 @@ class PipelineRun:
 
     # ---- inside the region (manual over pp and dp) -----------------------------------------
 
-    def _model(self, positions_S: jax.Array) -> PipelineModel:
+    def pieces_for(self, positions_S: jax.Array) -> PipelineModel:
+        """The model pieces the executor runs for one step (hooks, remat, reductions)."""
         ctx, red = self.ctx, self.ctx.reduction
         model, dims = ctx.model, red.dims
         remat = ctx.remat
@@ -189,7 +190,7 @@ class PipelineRun:
         local, embed_p, head_p = self._split_params(params)
         loss, d_local, d_embed, d_head = run_local(
             self.plan,
-            self._model(jnp.arange(tokens_BxS.shape[1])),
+            self.pieces_for(jnp.arange(tokens_BxS.shape[1])),
             local,
             embed_p,
             head_p,
@@ -215,7 +216,7 @@ class PipelineRun:
         local, embed_p, head_p = self._split_params(params)
         return run_local(
             self.plan,
-            self._model(jnp.arange(tokens_BxS.shape[1])),
+            self.pieces_for(jnp.arange(tokens_BxS.shape[1])),
             local,
             embed_p,
             head_p,
