@@ -250,6 +250,10 @@ class Checkpointer:
             stacklevel=3,
         )
 
+    def due(self, step: int, force: bool = False) -> bool:
+        """Whether :meth:`save` would write at ``step``."""
+        return force or step % self.every == 0
+
     def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = False) -> bool:
         """Write ``state`` at ``step`` (when due, or always with ``force``).
 
@@ -257,7 +261,7 @@ class Checkpointer:
         raises a one-line :class:`CheckpointError` and leaves the previous checkpoints as they
         were (the partial step is removed).
         """
-        if not force and step % self.every:
+        if not self.due(step, force):
             return False
         if not bool(_all_finite(state)):
             raise CheckpointError(f"step {step}: refusing to checkpoint a non-finite state")

@@ -604,13 +604,8 @@ def _check_pipeline(lay: LayoutConfig) -> None:
     # Combinations the pipeline executor does not run correctly are refused, not ignored.
     if lay.remat == "offload":
         raise ConfigError(
-            "layout.remat='offload': not supported with pp > 1 (the stash slots live in device "
-            "memory; use full or selective)"
-        )
-    if lay.sp > 1 and lay.sp_mode == "ring":
-        raise ConfigError(
-            f"layout.sp_mode='ring' (sp={lay.sp}): not yet supported with pp > 1 (use "
-            "--sp-mode ulysses)"
+            "layout.remat='offload': not supported with pp > 1 (a stage's residuals wait for "
+            "its backward in device-memory stash slots; use full or selective)"
         )
 
 

@@ -64,7 +64,7 @@ LAYOUTS = [
 ]
 CALIBRATED_ON = {  # index -> what this row calibrated
     0: "XLA_* constants: the one-device base compile of --calibrate",
-    16: "Executor.carry_copies",
+    16: "Executor.tick_stashes",
 }
 CONSTANTS = ("XLA_UPDATE", "XLA_HEAD", "XLA_RECOMPUTE", "XLA_BACKWARD")
 

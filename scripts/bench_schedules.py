@@ -1,12 +1,23 @@
-"""Compare every pipeline schedule on one small model and layout (pp = 4, simulated CPU devices).
+"""Every pipeline schedule: its tables' makespans and stashes, and its compiled program at pp = 4.
 
-For each schedule: compile time, steady step time of the gradient computation, lock-step ticks
-and bubbles from the table, the executor's stash slots, and XLA's compiled memory (temporaries).
-Also: the 1F1B / GPipe temporaries ratio at m = 16 and the compile time of one schedule at
-m = 8 versus m = 32 (the tick scan keeps it flat). Writes a PNG of the timelines side by side.
-Prints one JSON object.
+Parts (``--parts``, comma-separated; all by default), one JSON object printed last:
 
-    python scripts/bench_schedules.py [--png F.png] [--steps 3] [--parts schedules,memory,compile]
+* ``table``: for every schedule at p ∈ {2, 4, 8}, m ∈ {8, 16, 32} (where valid; interleaved at
+  v = 1 and 2): asynchronous and lock-step makespan (F = 1, B = 2, I = W = 1 per stage, a chunk
+  1/v), their ratio, peak stashes per rank (lock step), ticks.
+* ``compiled``: each schedule at p = 4, m = 16 (16 layers of d 128, batch 32 × 64 tokens, fp32,
+  ``remat none``): the compiled flops of each branch (XLA cost analysis of the stage's F, B, I,
+  W and FB functions, and of the head the last stage adds), the **simulated step time** — the
+  sum over ticks of the slowest rank's branch flops, what a GPU pod would see in lock step
+  (simulated CPU devices share two cores, so their wall time hides lock-step waste) —, the CPU
+  wall time and its ratio to GPipe's in the same run (interleaved repeats), compiled
+  temporaries, ticks; the 1F1B/GPipe temporaries ratio.
+* ``before``: the same for GPipe, 1F1B and interleaved on the revision before the fused-tick
+  executor (``--before-rev``, a temporary git worktree, measured in a subprocess by the same
+  code), with its tables (``jaxpar schedule --json`` of that revision) costed by this
+  revision's branch flops (the stage math is the same), and the after/before ratios.
+
+    python scripts/bench_schedules.py [--parts table,compiled,before] [--steps 5] [--png F.png]
 """
 
 from __future__ import annotations
@@ -15,10 +26,11 @@ import argparse
 import json
 import os
 import sys
-import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from jaxpar.devices import simulate_cpu_devices  # noqa: E402
 
@@ -26,104 +38,234 @@ simulate_cpu_devices(4)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from pipeline_bench_common import (  # noqa: E402
+    BEFORE_REV,
+    before_tree,
+    measure_jobs,
+    old_schedule,
+)
 
 from jaxpar import config as C  # noqa: E402
-from jaxpar.analysis.hlo import compiled_memory  # noqa: E402
-from jaxpar.data import Batches, load_corpus  # noqa: E402
+from jaxpar import sharding as shd  # noqa: E402
 from jaxpar.devices import make_mesh  # noqa: E402
+from jaxpar.errors import ConfigError  # noqa: E402
+from jaxpar.pipeline.generators import KINDS, check_arguments  # noqa: E402
+from jaxpar.pipeline.grads import PipelineRun  # noqa: E402
 from jaxpar.pipeline.render import plot_schedules  # noqa: E402
-from jaxpar.pipeline.schedules import make_schedule  # noqa: E402
+from jaxpar.pipeline.schedules import Action, lockstep, make_schedule  # noqa: E402
+from jaxpar.pipeline.stage import Stage  # noqa: E402
+from jaxpar.pipeline.tables import fused_fb  # noqa: E402
 from jaxpar.train.step import Trainer  # noqa: E402
 
-P = 4
-# schedule -> (micro-batches, virtual) on the common comparison
-SCHEDULES = {
-    "gpipe": (8, 1),
-    "1f1b": (8, 1),
-    "interleaved": (8, 2),
-    "zb-h1": (8, 1),
-    "zbv": (8, 2),
-    "dualpipev": (8, 2),
-}
+P, M = 4, 16
+# 16 layers of d 128 (4 per stage, 2 per chunk at v = 2): the head is ~10% of a stage's work,
+# as in a language model (a smaller stage would let the last stage's head dominate each tick).
+MODEL = dict(name="bench", n_layers=16, d_model=128, n_heads=4, n_kv_heads=2, d_ff=512,
+             vocab_size=256, max_seq_len=64)  # fmt: skip
+BATCH, SEQ = 32, 64
+COMPILED = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2, "dualpipev": 2}
 
 
-def config(kind: str, m: int, v: int, batch: int, seq: int) -> C.RunConfig:
-    """8 layers of d 64 (1-2 per chunk), 4 heads, seq ``seq``, batch ``batch``."""
+def table() -> list[dict]:
+    """Async and lock-step makespans and peak stashes of every schedule (pure Python)."""
+    rows = []
+    for kind in KINDS:
+        for v in (
+            (1, 2) if kind == "interleaved" else (2,) if kind in ("zbv", "dualpipev") else (1,)
+        ):
+            for p in (2, 4, 8):
+                for m in (8, 16, 32):
+                    try:
+                        check_arguments(kind, p, m, v)
+                    except ConfigError:  # a combination the schedule refuses
+                        continue
+                    st = make_schedule(kind, p, m, v).stats()
+                    rows.append({
+                        "kind": kind, "p": p, "m": m, "v": v, "makespan": st.makespan,
+                        "lockstep_makespan": st.lockstep_makespan,
+                        "lockstep_over_async": round(st.lockstep_makespan / st.makespan, 4),
+                        "peak_stashes": st.peak_stashes, "ticks": st.lockstep_ticks,
+                    })  # fmt: skip
+    return rows
+
+
+def config(kind: str, v: int, m: int = M) -> C.RunConfig:
     cfg = C.load("tiny", "cpu-8")
-    cfg.model = C.ModelConfig(
-        name="bench", n_layers=8, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128,
-        vocab_size=256, max_seq_len=seq,
-    )  # fmt: skip
-    cfg.train.global_batch, cfg.train.seq_len = batch, seq
+    cfg.model = C.ModelConfig(**MODEL)
+    cfg.train.global_batch, cfg.train.seq_len = BATCH, SEQ
     lay = cfg.layout
     lay.pp, lay.dp, lay.tp, lay.schedule, lay.microbatches, lay.virtual = P, 1, 1, kind, m, v
+    lay.remat = "none"
     cfg.mesh.devices = lay.n_devices
     C.validate(cfg, lay.n_devices)
     return cfg
 
 
-def measure(kind: str, m: int, v: int, batch: int, seq: int, steps: int) -> dict:
-    """Compile the gradient program; time ``steps`` runs; memory from the compiled program."""
-    cfg = config(kind, m, v, batch, seq)
+def _flops(fn, *args) -> float:
+    return float(jax.jit(fn).lower(*args).compile().cost_analysis()["flops"])
+
+
+def branch_flops(kind: str, v: int) -> dict[str, float]:
+    """XLA's flop count of each action's function for one chunk (and the head's extra).
+
+    XLA's cost analysis counts a while loop's body once, whatever its trip count, so each
+    function is compiled for a chunk of one layer (a one-trip layer scan) and scaled by the
+    chunk's layers (they are identical); the head, outside the scan, is counted once.
+    """
+    cfg = config(kind, v)
     tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[:P]))
-    spec = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=tr.batch_sharding)
-    with tr._ctx():
-        fn = jax.jit(tr.grads_fn, in_shardings=(tr.param_shardings, tr.batch_sharding))
-        t0 = time.perf_counter()
-        compiled = fn.lower(tr.abstract_params, spec).compile()
-        compile_s = time.perf_counter() - t0
-    out = {"compile_s": round(compile_s, 2), "memory": compiled_memory(compiled)}
-    if steps:
-        params = tr.init_state(0)["params"]
-        data = Batches(load_corpus("stdlib", 256), batch, seq, seed=0)
-        batch_arr = data.global_array(0, tr.batch_sharding)
-        jax.block_until_ready(compiled(params, batch_arr))
-        times = []
-        for _ in range(steps):
-            t1 = time.perf_counter()
-            jax.block_until_ready(compiled(params, batch_arr))
-            times.append(time.perf_counter() - t1)
-        out["step_s"] = round(min(times), 4)
+    run = PipelineRun(tr.grad_ctx)
+    lc = cfg.model.n_layers // (P * v)
+    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype),
+                         tr.abstract_params["layers"])  # fmt: skip
+    head = tr.model.head_params(tr.abstract_params)
+    b = BATCH // M
+    x = jax.ShapeDtypeStruct((b, SEQ, cfg.model.d_model), jnp.float32)
+    tg = jax.ShapeDtypeStruct((b, SEQ), jnp.int32)
+    out = {}
+    with tr._ctx(), shd.use_rules(tr.grad_ctx.inner_rules()):
+        pm = run.pieces_for(jnp.arange(SEQ))
+        held = {}
+
+        def stage(c, h):
+            st = Stage(pm.pieces, c, jnp.zeros(h.shape, h.dtype))
+            held.setdefault("s", st)
+            return st
+
+        jax.eval_shape(lambda c, h: stage(c, h).apply(c, h), chunk, x)
+        s0 = held["s"]
+        stash, taps, wpend = s0.stash_shapes, s0.taps_shapes, s0.wpend_shapes
+        out["F"] = _flops(lambda c, h: stage(c, h).forward(c, h), chunk, x)
+        out["B"] = _flops(lambda c, st, tp, g: stage(c, g).backward(c, list(st), list(tp), g),
+                          chunk, stash, taps, x)  # fmt: skip
+        if s0.split:
+            out["I"] = _flops(lambda c, st, g: stage(c, g).input_grads(c, list(st), g),
+                              chunk, stash, x)  # fmt: skip
+            out["W"] = _flops(lambda c, tp, wp: stage(c, x_zero(x)).weight_grads(c, list(tp),
+                              list(wp)), chunk, taps, wpend)  # fmt: skip
+
+        def head_grads(hp, y, t):
+            return jax.value_and_grad(lambda q, z: pm.head_loss(q, z, t), argnums=(0, 1))(hp, y)
+
+        out["head"] = _flops(head_grads, head, x, tg)
+
+        def fb(c, hp, h, t):
+            f = lambda c, q, z: pm.head_loss(q, stage(c, z).apply(c, z), t)  # noqa: E731
+            return jax.value_and_grad(f, argnums=(0, 1, 2))(c, hp, h)
+
+        out["FB"] = _flops(fb, chunk, head, x, tg)
+    scaled = {k: c * lc for k, c in out.items() if k not in ("head", "FB")}
+    return dict(scaled, head=out["head"], FB=(out["FB"] - out["head"]) * lc + out["head"])
+
+
+def x_zero(x: jax.ShapeDtypeStruct) -> jax.Array:
+    """A zero input of the message shape (probing a stage inside a traced function)."""
+    return jnp.zeros(x.shape, x.dtype)
+
+
+def simulated_step(sched, flops: dict[str, float], fb: bool = True) -> float:
+    """Sum over ticks of the slowest rank's work, in flops (module docstring)."""
+    last = sched.num_stages - 1
+    pairs = fused_fb(sched) if fb else set()
+    total = 0.0
+    for col in zip(*sched.ticks, strict=True):
+        work = []
+        for cell in col:
+            w = 0.0
+            for a in cell:
+                if a.kind == "B" and (a.stage, a.mb) in pairs:
+                    continue  # counted with its F as one FB
+                if a.kind == "F" and (a.stage, a.mb) in pairs:
+                    w += flops["FB"]
+                else:
+                    w += flops[a.kind] + (flops["head"] if a.kind == "F" and a.stage == last else 0)
+            work.append(w)
+        total += max(work)
+    return total
+
+
+def compiled_part(steps: int) -> dict:
+    flops = {k: branch_flops(k, v) for k, v in COMPILED.items()}
+    jobs = [dict(name=k, model=MODEL, batch=BATCH, seq=SEQ,
+                 layout=dict(pp=P, dp=1, tp=1, schedule=k, microbatches=M, virtual=v,
+                             remat="none")) for k, v in COMPILED.items()]  # fmt: skip
+    runs = {r["name"]: r for r in measure_jobs(jobs, P, steps)}
+    out = {}
+    for k, v in COMPILED.items():
+        sched = make_schedule(k, P, M, v)
+        f = flops[k]
+        sim = simulated_step(sched, f)
+        out[k] = {
+            "virtual": v, "ticks": sched.num_ticks, "branch_flops": f,
+            "branch_over_F": {a: round(c / f["F"], 3) for a, c in f.items()},
+            "simulated_step_flops": sim, "simulated_step_in_F": round(sim / f["F"], 2),
+            "wall_s": runs[k]["step_s"], "temp_bytes": runs[k]["memory"]["temp"],
+            "compile_s": runs[k]["compile_s"],
+        }  # fmt: skip
+    for k in out:
+        out[k]["wall_over_gpipe"] = round(out[k]["wall_s"] / out["gpipe"]["wall_s"], 3)
+    return out
+
+
+def before_part(steps: int, rev: str, after: dict) -> dict:
+    """GPipe, 1F1B and interleaved on ``rev`` (module docstring)."""
+    tree = before_tree(rev)
+    kinds = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+    jobs = [dict(name=k, model=MODEL, batch=BATCH, seq=SEQ,
+                 layout=dict(pp=P, dp=1, tp=1, schedule=k, microbatches=M, virtual=v,
+                             remat="none")) for k, v in kinds.items()]  # fmt: skip
+    runs = {r["name"]: r for r in measure_jobs(jobs, P, steps, tree)}
+    out = {}
+    for k, v in kinds.items():
+        old = old_schedule(k, P, M, v, tree)
+        steps_ = [tuple((Action.parse(a),) for a in row) for row in old["ranks"]]
+        sched = make_schedule(k, P, M, v)  # for the placement and sizes
+        sched = type(sched)(k, P, M, v, sched.placement, tuple(steps_))
+        sched.ticks = tuple(map(tuple, lockstep(sched.steps, sched.num_stages)))
+        sim = simulated_step(sched, after[k]["branch_flops"], fb=False)
+        out[k] = {
+            "ticks": sched.num_ticks, "lockstep_makespan": old["lockstep_makespan"],
+            "simulated_step_flops": sim, "wall_s": runs[k]["step_s"],
+            "temp_bytes": runs[k]["memory"]["temp"],
+        }  # fmt: skip
+    for k in out:
+        out[k]["wall_over_gpipe"] = round(out[k]["wall_s"] / out["gpipe"]["wall_s"], 3)
+        a = after[k]
+        out[k]["simulated_before_over_after"] = round(
+            out[k]["simulated_step_flops"] / a["simulated_step_flops"], 3
+        )
+        out[k]["wall_over_gpipe_after_over_before"] = round(
+            a["wall_over_gpipe"] / out[k]["wall_over_gpipe"], 3
+        )
+        out[k]["wall_after_over_before"] = round(a["wall_s"] / out[k]["wall_s"], 3)
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--png", default="schedules.png")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--parts", default="schedules,memory,compile", help="comma-separated subset")
+    ap.add_argument("--parts", default="table,compiled,before")
+    ap.add_argument("--steps", type=int, default=5, help="timed repeats per program")
+    ap.add_argument("--before-rev", default=BEFORE_REV)
+    ap.add_argument("--png", default=None, help="write the p = 4, m = 8 timelines here")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    result: dict = {"pp": P, "schedules": {}}
-    scheds = []
-    for kind, (m, v) in SCHEDULES.items() if "schedules" in parts else ():
-        s = make_schedule(kind, P, m, v)
-        scheds.append(s)
-        st = s.stats()
-        row = {
-            "microbatches": m,
-            "virtual": v,
-            "lockstep_ticks": st.lockstep_ticks,
-            "bubble_fraction": round(st.bubble_fraction, 4),
-            "lockstep_bubble_fraction": round(st.lockstep_bubble_fraction, 4),
-            "stash_slots": int(s.as_arrays()["n_stash_slots"]),
-        }
-        row.update(measure(kind, m, v, 32, args.seq, args.steps))
-        result["schedules"][kind] = row
-        print(kind, row, file=sys.stderr, flush=True)
-    if scheds:
-        plot_schedules(scheds, args.png)
+    result: dict = {"pp": P, "microbatches": M, "model": MODEL, "batch": [BATCH, SEQ]}
+    if "table" in parts:
+        result["table"] = table()
+    if "compiled" in parts or "before" in parts:
+        after = compiled_part(args.steps)
+        result["compiled"] = after
+        g, o = after["gpipe"]["temp_bytes"], after["1f1b"]["temp_bytes"]
+        result["temp_1f1b_over_gpipe"] = round(o / g, 4)
+        if "before" in parts:
+            result["before"] = before_part(args.steps, args.before_rev, after)
+            b = result["before"]
+            result["before"]["temp_1f1b_over_gpipe"] = round(
+                b["1f1b"]["temp_bytes"] / b["gpipe"]["temp_bytes"], 4
+            )
+    if args.png:
+        plot_schedules([make_schedule(k, P, 8, v) for k, v in COMPILED.items()], args.png)
         result["png"] = args.png
-
-    if "memory" in parts:  # 1F1B versus GPipe at m = 16 (in-flight p versus m)
-        mem = {k: measure(k, 16, 1, 32, args.seq, 0)["memory"]["temp"] for k in ("gpipe", "1f1b")}
-        result["temp_bytes_m16"] = mem
-        result["temp_ratio_1f1b_over_gpipe_m16"] = round(mem["1f1b"] / mem["gpipe"], 4)
-
-    if "compile" in parts:  # m = 8 versus m = 32 (same schedule, same model; batch 32)
-        ct = {m: measure("1f1b", m, 1, 32, args.seq, 0)["compile_s"] for m in (8, 32)}
-        result["compile_s_1f1b"] = {"m8": ct[8], "m32": ct[32], "ratio": round(ct[32] / ct[8], 3)}
     print(json.dumps(result))
     return 0
 

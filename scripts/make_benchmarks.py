@@ -177,7 +177,7 @@ def memory_section(mem: dict) -> list[str]:
          "batch 16 × 32, fp32); measured = XLA's compiled per-device total (arguments + outputs "
          "− aliased + temporaries); predicted = `jaxpar.planner.memory.memory`. The XLA "
          "constants were fitted on one-device compiles (`--calibrate`; its base compile is the "
-         "dp=1 row), the pp 2 × 1F1B row set `Executor.carry_copies`: these two rows are marked "
+         "dp=1 row), the pp 2 × 1F1B row set `Executor.tick_stashes`: these two rows are marked "
          "*calibration* and not counted.", "",
          f"**{mem['within_10pct']} of {mem['validated']} validated layouts within 10%; largest "
          f"|error| {mem['max_abs_error']:.1%}.**", "",
@@ -188,9 +188,8 @@ def memory_section(mem: dict) -> list[str]:
             f"| {r['layout']} | {human_bytes(r['measured_bytes'])} | "
             f"{human_bytes(r['predicted_bytes'])} | {pct(r['rel_error'])} | {tag} |"
         )
-    L += ["", "What these rows describe is the executor this branch compiles. Rows that move "
-          "when the pipeline work lands (fused ticks, branches that touch only their own slots): "
-          "every pp row (`Executor.carry_copies` → rerun and recalibrate); "
+    L += ["", "What these rows describe is the executor this branch compiles (pipeline: fused "
+          "ticks, no copy of the scan carry, `Executor.carry_copies` = 0). Rows that move "
           "when the blockwise attention becomes the default: every row (`Executor.attention`, "
           "`loss`).", ""]  # fmt: skip
     return L

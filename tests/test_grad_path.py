@@ -113,7 +113,6 @@ def test_remat_none_under_zero3_keeps_no_weight():
 @pytest.mark.parametrize(
     "layout,match",
     [
-        (dict(pp=2, sp=2, sp_mode="ring", microbatches=2), "sp_mode='ring' .*not yet supported"),
         (dict(pp=2, remat="offload", microbatches=2), "remat='offload': not supported with pp"),
     ],
 )

@@ -21,8 +21,11 @@ collective wrapped in a generic ``async-start`` is counted inside its wrapped co
 Collectives in a ``while`` body run once per trip: XLA records ``known_trip_count`` in the
 while's ``backend_config`` for ``lax.scan``/``fori_loop``; nested loops multiply. A loop
 without a known trip count is counted as one trip and listed in ``unknown_trip_loops`` (a
-lower bound, not a guess). Collectives in ``conditional`` branches are counted as if every
-branch ran and are flagged (``in_conditional``).
+lower bound, not a guess). A ``conditional`` whose code stated how often it takes each branch
+(:func:`jaxpar.analysis.hlo_text.branch_scope`: the pipeline's tick branches) counts each
+branch that often; the branches of any other conditional are counted as if every branch ran
+and flagged (``in_conditional``), an upper bound. :func:`copy_bytes` counts the buffer copies
+the same way.
 
 Replica groups. Under SPMD partitioning (one replica, ``use_global_device_ids=true``) the ids
 in ``replica_groups``/``source_target_pairs`` are *partition ids* = positions in the flattened
@@ -44,7 +47,14 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar.analysis.hlo_text import execution_counts, parse_module, replica_groups, shape_bytes
+from jaxpar.analysis.hlo_text import (
+    callees,
+    execution_counts,
+    parse_module,
+    replica_groups,
+    shape_bytes,
+    split_top,
+)
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -60,7 +70,7 @@ class Collective:
     group_size: int
     bytes: float  # per device per execution, as defined in the module docstring
     wire_bytes: float
-    trips: int  # executions per step (product of enclosing known trip counts)
+    trips: float  # executions per step (enclosing trip counts × branch weights)
     trips_known: bool = True
     in_conditional: bool = False
     op_name: str = ""
@@ -71,7 +81,7 @@ class CollectiveStat:
     """Aggregate of the collectives of one (kind, axes): per step, per device."""
 
     ops: int = 0  # static instructions
-    count: int = 0  # executions per step
+    count: float = 0  # executions per step (fractional where a branch runs on some ticks)
     bytes: float = 0.0
     wire_bytes: float = 0.0
 
@@ -198,6 +208,98 @@ def collective_bytes(compiled_or_hlo_text: Any, mesh: Any) -> CollectiveReport:
             s.bytes += size * trips
             s.wire_bytes += wire * trips
     return CollectiveReport(out, stats, unknown, n_parts)
+
+
+def copy_bytes(compiled_or_hlo_text: Any) -> dict[str, Any]:
+    """Bytes moved by the program's ``copy`` instructions per step (per device), loops and
+    annotated branches weighted as :func:`collective_bytes` does; copies inside a fusion are
+    part of that fusion's output and not counted.
+
+    Returns ``total`` and ``loops``: per ``while`` body (with what it calls), its trips, the
+    bytes copied per trip, and ``carry_bytes_per_trip``: those of copies shaped like one of the
+    buffers the loop updates (what XLA adds when such a buffer passes through a conditional,
+    jax-ml/jax#38145; loop-invariant buffers, e.g. zeros XLA hoisted out of the body, are not
+    among them; ``updated_state_bytes`` is their size) — for the pipeline's tick scan, the bytes
+    copied per tick.
+    """
+    text = compiled_or_hlo_text
+    if not isinstance(text, str):
+        text = text.as_text()
+    comps, entry = parse_module(text)
+    mult, _ = execution_counts(comps, entry)
+    fused = {
+        c for ins in comps.values() for i in ins if i.opcode == "fusion"
+        for c in re.findall(r"calls=%?([\w.\-]+)", i.attrs)
+    }  # fmt: skip
+    own = {
+        name: sum(shape_bytes(i.shape) for i in ins if i.opcode in ("copy", "copy-start"))
+        for name, ins in comps.items()
+        if name not in fused
+    }
+    total = sum(own[c] * mult.get(c, (0,))[0] for c in own)
+    loops = []
+    for name, ins in comps.items():
+        for i in ins:
+            body = re.search(r"body=%?([\w.\-]+)", i.attrs) if i.opcode == "while" else None
+            trips = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', i.attrs)
+            if not body or body.group(1) not in comps or mult.get(name, (0,))[0] == 0:
+                continue
+            b, n = body.group(1), int(trips.group(1)) if trips else 1
+            # Everything the body runs (branches weighted), per execution of the body.
+            per_run = mult[b][0] or 1
+            inside = _reachable(comps, b) - fused
+            carried, state_bytes = _updated_shapes(comps[b])
+            moved = carry = 0.0
+            for c in inside:
+                for j in comps[c]:
+                    if j.opcode not in ("copy", "copy-start"):
+                        continue
+                    nbytes = shape_bytes(j.shape) * mult.get(c, (0,))[0] / per_run
+                    moved += nbytes
+                    if set(_ARRAYS.findall(j.shape)) & carried:
+                        carry += nbytes
+            loops.append({"body": b, "trips": n, "bytes_per_trip": moved,
+                          "carry_bytes_per_trip": carry,
+                          "updated_state_bytes": state_bytes})  # fmt: skip
+    return {"total": total, "loops": loops}
+
+
+_ARRAYS = re.compile(r"\b([a-z]+[0-9a-z]*)\[([^\]]*)\]")
+
+
+def _updated_shapes(body: list) -> tuple[set[tuple[str, str]], float]:
+    """Array shapes of the loop state elements a ``while`` body changes (not passed through),
+    and their bytes."""
+    params = {i.name for i in body if i.opcode == "parameter"}
+    gte = {
+        i.name: int(m.group(1))
+        for i in body
+        if i.opcode == "get-tuple-element" and i.operands and i.operands[0] in params
+        and (m := re.search(r"index=(\d+)", i.attrs))
+    }  # fmt: skip
+    root = body[-1]
+    for i in body:  # the ROOT is the tuple of the next state
+        if i.opcode == "tuple" and i is body[-1]:
+            root = i
+    elems = split_top(root.shape[1:-1]) if root.shape.startswith("(") else []
+    out, nbytes = set(), 0.0
+    for k, (op, shape) in enumerate(zip(root.operands, elems, strict=False)):
+        if gte.get(op) != k:
+            out |= {a for a in _ARRAYS.findall(shape) if a[1]}
+            nbytes += shape_bytes(shape)
+    return out, nbytes
+
+
+def _reachable(comps: dict, start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for ins in comps[c]:
+            todo.extend(callees(ins))
+    return seen
 
 
 _MEMORY_KEYS = ("argument", "output", "alias", "temp", "generated_code")

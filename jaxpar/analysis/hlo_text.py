@@ -38,6 +38,29 @@ _CALLEE_ATTRS = re.compile(
     r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
+_BRANCHES = "jaxpar_branches"
+_BRANCH_SCOPE = re.compile(_BRANCHES + r"\[([0-9.e,+\-]*)\]/[\w.\-]*$")
+
+
+def branch_scope(weights) -> str:
+    """A ``jax.named_scope`` name stating how often each branch of the ``lax.switch`` /
+    ``lax.cond`` directly inside it runs: ``weights[i]`` = the share of the conditional's
+    executions that take branch ``i``, averaged over devices (a ``cond``: ``[false, true]``).
+
+    The name reaches the compiled HLO as the conditional's ``op_name`` metadata, so
+    :func:`execution_counts` counts each branch ``trips × weights[i]`` times instead of
+    ``trips`` times for every branch (a pipeline tick runs one of its branches per rank).
+    """
+    return _BRANCHES + "[" + ",".join(f"{float(w):.6g}" for w in weights) + "]"
+
+
+def branch_weights(ins: Instr) -> list[float] | None:
+    """The weights :func:`branch_scope` put on a ``conditional``, or None (unannotated)."""
+    om = re.search(r'op_name="([^"]*)"', ins.attrs)
+    bm = _BRANCH_SCOPE.search(om.group(1)) if om else None
+    if not bm:
+        return None
+    return [float(w) for w in bm.group(1).split(",") if w]
 
 
 @dataclass
@@ -142,10 +165,14 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
 
 def execution_counts(
     comps: dict[str, list[Instr]], entry: str
-) -> tuple[dict[str, tuple[int, bool, bool]], list[str]]:
+) -> tuple[dict[str, tuple[float, bool, bool]], list[str]]:
     """Executions per step of each computation reachable from ENTRY.
 
     Returns ``{comp: (trips, all_known, in_conditional)}`` and the loops whose count is unknown.
+    A branch of a ``conditional`` annotated by :func:`branch_scope` runs ``weights[i]`` of the
+    conditional's executions (``in_conditional`` stays False for it: its count is what the
+    annotation says); a branch of an unannotated one is counted as if it ran every time and
+    flagged ``in_conditional``.
     """
     mult: dict[str, tuple[int, bool, bool]] = {entry: (1, True, False)}
     unknown: list[str] = []
@@ -154,7 +181,7 @@ def execution_counts(
     def visit(c: str) -> None:  # post-order DFS, then reverse: callers before callees
         seen.add(c)
         for ins in comps.get(c, []):
-            for callee in _callees(ins):
+            for callee in callees(ins):
                 if callee in comps and callee not in seen:
                     visit(callee)
         order.append(c)
@@ -171,19 +198,26 @@ def execution_counts(
                 else:
                     k = False
                     unknown.append(ins.name)
-            for callee in _callees(ins):
+            called = callees(ins)
+            weights = branch_weights(ins) if ins.opcode == "conditional" else None
+            pred = re.search(r"true_computation=%?([\w.\-]+).*false_computation=%?([\w.\-]+)",
+                             ins.attrs)  # fmt: skip
+            if pred:  # the predicate form: branch 0 is false, 1 is true
+                called = [pred.group(2), pred.group(1)]
+            if weights is not None and len(weights) != len(called):
+                weights = None  # XLA rewrote the branches: fall back to the upper bound
+            for i, callee in enumerate(called):
                 if callee not in comps:
                     continue
                 t0, k0, c0 = mult.get(callee, (0, True, False))
-                mult[callee] = (
-                    t0 + trips * factor,
-                    k0 and known and k,
-                    c0 or cond or ins.opcode == "conditional",
-                )
+                w = weights[i] if weights is not None else 1.0
+                flagged = ins.opcode == "conditional" and weights is None
+                mult[callee] = (t0 + trips * factor * w, k0 and known and k, c0 or cond or flagged)
     return mult, unknown
 
 
-def _callees(ins: Instr) -> list[str]:
+def callees(ins: Instr) -> list[str]:
+    """Computations ``ins`` calls (branches, loop body and condition, fused code, ...)."""
     # async-update/-done repeat the wrapped computation of their async-start: count it once.
     if ins.opcode in ("async-update", "async-done") or ins.opcode.endswith("-done"):
         return []

@@ -4,8 +4,11 @@ Human output: the lock-step tick table (one row per rank, one column per tick) a
 block. ``--json`` prints one JSON object last with keys ``kind``, ``stages``, ``microbatches``,
 ``virtual``, ``ranks`` (per rank its order as action strings like ``F3.5``), ``makespan``,
 ``bubble_fraction``, ``span_bubble_fraction`` (per rank), ``start_skew``, ``lockstep_ticks``,
-``lockstep_makespan``, ``lockstep_bubble_fraction``, ``peak_inflight`` (per rank) and
-``plot`` (the PNG path or null). Costs: F=1, B=2, I=W=1 per stage, a chunk 1/v of that.
+``lockstep_makespan`` (a tick lasts as long as its slowest rank's work, fused ticks' forward
+and backward added), ``lockstep_bubble_fraction``, ``peak_inflight`` (per rank, in its order),
+``peak_stashes`` (per rank, in the lock-step table: what the executor holds), ``fused_ticks``
+(ticks in which some rank runs a forward and a backward) and ``plot`` (the PNG path or null).
+Costs: F=1, B=2, I=W=1 per stage, a chunk 1/v of that.
 """
 
 from __future__ import annotations
@@ -72,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
                 "lockstep_makespan": st.lockstep_makespan,
                 "lockstep_bubble_fraction": st.lockstep_bubble_fraction,
                 "peak_inflight": st.peak_inflight,
+                "peak_stashes": st.peak_stashes,
+                "fused_ticks": sum(
+                    any(len(c) > 1 for c in col) for col in zip(*sched.ticks, strict=True)
+                ),
                 "plot": args.plot,
             }
         )

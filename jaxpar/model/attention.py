@@ -173,6 +173,25 @@ def _ring_setup(q, k, v, block):
     return bl, flash.q_blocks(q, k.shape[2], bl), flash.kv_blocks(k, bl), flash.kv_blocks(v, bl)
 
 
+def _shift(x: jax.Array, axis: str, p: int, rank: jax.Array, by: int) -> jax.Array:
+    """Rank ``r``'s ``x`` to rank ``r + by`` (mod ``p``) of ``axis``.
+
+    A collective-permute, except inside a pipeline (``pp`` manual): there ranks of different
+    pipeline stages run different branches at once, and XLA's CPU runtime meets every
+    collective-permute over the devices of *all* its pairs (every sp group of every stage; all
+    of them share one channel id), so the ring of one stage would wait for, or swap buffers
+    with, another stage's. An all-to-all is grouped per sp group and is met by that group
+    alone: the block goes in the slot of rank ``r + by``, zeros in the others (the same wire
+    bytes at ``p = 2``, ``p - 1`` times them beyond).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if "pp" not in mesh.manual_axes or mesh.shape.get("pp", 1) == 1:
+        return jax.lax.ppermute(x, axis, [(i, (i + by) % p) for i in range(p)])
+    slots_PxX = jnp.zeros((p, *x.shape), x.dtype).at[(rank + by) % p].set(x)
+    got_PxX = jax.lax.all_to_all(slots_PxX, axis, 0, 0)  # got[i]: what rank i sent here
+    return got_PxX[(rank - by) % p]
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _ring_local(q_BxCxHxDh, k_BxCxKxDh, v_BxCxKxDh, axis: str, block: int):
     """Per-device body of :func:`ring_attention` (inside ``shard_map`` manual over ``axis``)."""
@@ -184,11 +203,10 @@ def _ring_fwd(q, k, v, axis, block):
     bl, qb, kb, vb = _ring_setup(q, k, v, block)
     # Step 0: the diagonal block, causally masked.
     state = flash.forward(qb, kb, vb, bl, causal=True)
-    # Each step sends the K/V block one rank up the ring: collective-permute over `axis`.
-    perm = [(i, (i + 1) % p) for i in range(p)]
+    # Each step sends the K/V block one rank up the ring (collective-permute over `axis`).
     kv, held = (kb, vb), []
     for step in range(1, p):
-        kv = jax.lax.ppermute(kv, axis, perm)
+        kv = jax.tree.map(lambda x: _shift(x, axis, p, rank, 1), kv)
         held.append(kv)
         # Held block comes from rank − step: visible iff step <= rank, else fully masked.
         state = jax.lax.cond(
@@ -211,7 +229,6 @@ def _ring_bwd(axis, block, res, do_BxCxHxDh):
     dob = flash.q_blocks(do_BxCxHxDh, kb.shape[2], bl)
     delta = jnp.sum(dob.astype(jnp.float32) * ob.astype(jnp.float32), axis=-1)
     zeros = partial(jnp.zeros_like, dtype=jnp.float32)  # varying over `axis` like x
-    back = [((i + 1) % p, i) for i in range(p)]  # the forward ring's transpose
     dq, dkv = zeros(qb), (zeros(kb), zeros(vb))
     # Latest step first: the gradient of the block held at step i is summed into the one sent
     # back to rank − 1, which held the same block at step i − 1 (autodiff's order, by hand).
@@ -224,7 +241,8 @@ def _ring_bwd(axis, block, res, do_BxCxHxDh):
             kv,
         )
         dq = dq + gq
-        dkv = jax.lax.ppermute((dkv[0] + gk, dkv[1] + gv), axis, back)
+        # The forward ring's transpose: one rank down.
+        dkv = jax.tree.map(lambda x: _shift(x, axis, p, rank, -1), (dkv[0] + gk, dkv[1] + gv))
     gq, gk, gv = flash.backward(qb, kb, vb, dob, lse, delta, bl, causal=True)
     return (
         flash.q_unblocks(dq + gq, c).astype(qb.dtype),

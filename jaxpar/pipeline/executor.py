@@ -1,271 +1,392 @@
 """The SPMD pipeline executor: one program runs any schedule table (GPipe ... DualPipeV).
 
-Layout of one step (``p`` ranks on mesh axis ``pp``, ``v`` chunks per rank, ``m`` micro-batches):
+Layout of one step (``p`` ranks on mesh axis ``pp``, ``v`` chunks per rank, ``m`` micro-batches),
+inside the one gradient path's ``shard_map`` (manual over ``pp`` and the dp axes; tp/sp stay
+automatic, so the stage code is the same Megatron/ZeRO code as without a pipeline):
 
-1. **Embedding** runs before the pipeline as ordinary GSPMD code over all devices (``jax.vjp``
-   keeps its pullback); the embedded micro-batches ``[m, b, s, d]`` enter the pipeline
-   replicated over ``pp``.
-2. **Pipeline**: ``jax.shard_map`` manual over ``pp`` only — dp/tp/sp stay automatic inside,
-   so the stage code is the same Megatron/ZeRO code as without a pipeline. One ``lax.scan``
-   over the ticks of ``tables.as_arrays`` (compile time does not depend on ``m``); each tick a
-   rank ``lax.switch``es on its action (idle, F, B, I, W), then every rank ``ppermute``s its
-   output one hop forward and one hop backward around the ring (collective-permute over
-   ``pp``), and files what arrived into the activation/cotangent slot the table names.
-   Backward is explicit (:mod:`jaxpar.pipeline.stash`): never autodiff through the switch.
-   The last stage runs the head and loss inside its ``F`` (its cotangent is filed into the
-   stash slot, so a ``B`` can follow in the very next tick, as 1F1B wants). Weight gradients
-   go to running sums per local chunk; stage 0's input cotangents are kept per micro-batch.
-3. **After**: the embedding pullback takes the input cotangents (tied embeddings add the
-   head's table gradient).
+* One ``lax.scan`` over the ticks of :mod:`jaxpar.pipeline.tables` (compile time does not
+  depend on ``m``). A tick runs a **forward phase** (idle, ``F``, or ``FB``: the last stage's
+  forward and backward of one micro-batch), sends the forward's activation, then runs a
+  **backward phase** (idle, ``B``, ``I`` or ``W``) and sends its input cotangent — a fused
+  tick uses both phases, and F's output is on the wire while B computes. Each phase is one
+  ``lax.switch`` on the rank's row of the table. Backward is explicit
+  (:mod:`jaxpar.pipeline.stage`): never autodiff through a switch.
+* **Nothing replicated that one rank uses**: stage 0 embeds each micro-batch's tokens in its
+  forward and takes the embedding's gradient in its backward; the last stage runs the head and
+  loss. Only tokens and targets enter every rank.
+* **Nothing copied that a tick does not touch**: the branches return only the values of their
+  own action (one message, one stash's leaves, one chunk's gradient); the buffers enter the
+  backward's switch read-only and are written after it, in place in the scan carry, each write
+  ordered after the reads by a data dependency. (A buffer that passes through a switch is
+  copied by XLA's CPU compile in every branch, jax-ml/jax#38145; an in-place write that XLA
+  cannot order after a read of the same buffer is copied twice.)
+* **Sends only where the table sends**: per message kind and ring direction, each tick runs one
+  collective-permute with exactly that tick's (source, destination) pairs, or none
+  (:attr:`jaxpar.pipeline.plan.Plan.sends`; a ``lax.switch`` on a per-tick index, the same on
+  every rank).
+* Weight gradients accumulate per local chunk, unreduced over dp (ZeRO-2: reduce-scattered per
+  micro-batch by the caller's reductions); the caller reduces them once after the schedule.
 
-Layers: ``params["layers"]`` is stacked ``[L, ...]`` and sharded over ``pp`` on ``L``. Rank
-``r``'s chunk ``c`` is global stage ``stages_of(r)[c]`` = layers ``[s·L/S, (s+1)·L/S)``. For one
-stage per rank (GPipe, 1F1B, ZB-H1) the arrangement ``[p, v, L/(p·v)]`` is a free reshape of the
-pp-sharded array; interleaved and V placements permute layers across ranks once per step (a
-collective-permute of the weights and, inversely, of their gradients).
+Every ``lax.switch``/``lax.cond`` here runs under a named scope that states how often the table
+takes each branch (:func:`jaxpar.analysis.hlo_text.branch_scope`), so the HLO analysis counts
+the collectives and copies inside a branch as often as it runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline.schedules import Schedule, make_schedule
-from jaxpar.pipeline.stash import Stash, read_slot, write_if, write_slot
-
-_ROW_KEYS = ("kind", "stage", "chunk", "mb", "in_slot", "stash_slot", "recv_act", "recv_grad")
-IDLE, FWD, BWD, INP, WGT = range(5)
+from jaxpar.analysis.hlo_text import branch_scope
+from jaxpar.pipeline.plan import Plan
+from jaxpar.pipeline.stage import Stage, StagePieces
+from jaxpar.pipeline.tables import B_CODE, BUFFERS, CHANNEL_OF_SEND, F_CODE, SEND_LOCAL
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A schedule and what the executor derives from it."""
+class PipelineModel:
+    """The model pieces the executor runs, with the layout's hooks applied.
 
-    schedule: Schedule
-    n_layers: int
-
-    @staticmethod
-    def make(kind: str, p: int, m: int, v: int, n_layers: int) -> Plan:
-        """Build the schedule (``ConfigError`` one-liners for bad arguments)."""
-        return Plan(make_schedule(kind, p, m, v), n_layers)
-
-    @cached_property
-    def arrays(self) -> dict[str, np.ndarray]:
-        """Tick tables (``tables.as_arrays``)."""
-        return self.schedule.as_arrays()
-
-    @property
-    def per_chunk(self) -> int:
-        """Layers per virtual stage."""
-        return self.n_layers // self.schedule.num_stages
-
-    @cached_property
-    def order(self) -> np.ndarray:
-        """Layer index at each position of the ``[p, v, L/(p·v)]`` arrangement (flattened)."""
-        s, lc = self.schedule, self.per_chunk
-        stages = [st for r in range(s.p) for st in s.stages_of(r)]
-        return np.array([st * lc + i for st in stages for i in range(lc)], np.int32)
-
-    @property
-    def identity(self) -> bool:
-        """Whether the arrangement is a plain reshape (one stage per rank)."""
-        return bool(np.all(self.order == np.arange(self.n_layers)))
-
-    def rank_tables(self) -> dict[str, np.ndarray]:
-        """Per-rank rows ``[p, T, ...]`` of the tick table (scanned over ``T`` on each rank)."""
-        return {k: np.swapaxes(self.arrays[k], 0, 1).copy() for k in _ROW_KEYS}
-
-
-def arrange(layers: Any, plan: Plan, specs: Any) -> Any:
-    """``[L, ...] -> [p, v, L/(p·v), ...]`` in placement order, constrained to ``specs``."""
-    s = plan.schedule
-
-    def one(a, spec):
-        if not plan.identity:
-            a = jnp.take(
-                a, plan.order, axis=0
-            )  # collective-permute over pp (non-standard placement)
-        a = a.reshape(s.p, s.v, plan.per_chunk, *a.shape[1:])
-        return jax.lax.with_sharding_constraint(a, spec)
-
-    return jax.tree.map(one, layers, specs)
-
-
-def unarrange(grads: Any, plan: Plan) -> Any:
-    """Inverse of :func:`arrange` for the layer gradients."""
-    inverse = np.argsort(plan.order)
-
-    def one(g):
-        g = g.reshape(plan.n_layers, *g.shape[3:])
-        return g if plan.identity else jnp.take(g, inverse, axis=0)
-
-    return jax.tree.map(one, grads)
-
-
-def stage_specs(layer_specs: Any) -> Any:
-    """Spec of the arranged layers: ``pp`` on the rank dim, the rest as at rest minus ``dp``.
-
-    Dropping ``dp`` is what ZeRO-3 needs: the constraint all-gathers a stage's weights over dp
-    once per step (not once per tick inside the scan).
+    ``embed(embed_params, tokens_BxS) -> x``; ``head_loss(head_params, y, targets) -> loss``;
+    ``reduce[k](g)``: the per-micro-batch reduction of chunk-gradient leaf ``k`` (ZeRO-2's
+    reduce-scatter; identity otherwise), in the order of the chunk tree's leaves.
     """
 
-    def one(spec: P) -> P:
-        dp = ("dp", "dpr", "dps")
-        rest = [None if a in dp else a for a in list(spec)[1:]]
-        rest = [
-            tuple(x for x in a if x not in dp) or None if isinstance(a, tuple) else a for a in rest
-        ]
-        return P("pp", None, None, *rest)
-
-    return jax.tree.map(one, layer_specs, is_leaf=lambda x: isinstance(x, P))
+    pieces: StagePieces
+    embed: Callable[[Any, jax.Array], jax.Array]
+    head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
+    reduce: tuple[Callable[[jax.Array], jax.Array], ...]
 
 
-def run_local(
-    plan: Plan,
-    stage_fn,
-    head_loss,
-    local: Any,
-    rest: Any,
-    x_all: jax.Array,
-    tg_all: jax.Array,
-    recompute: bool = False,
-    reduce_each=None,
-) -> tuple[jax.Array, Any, Any, jax.Array]:
-    """Run the schedule on this rank; return (loss, chunk grads, ``rest`` grads, input cotangents).
+def run_local(plan: Plan, model: PipelineModel, local: Any, embed_params: Any,
+              head_params: Any, tokens_MxBxS: jax.Array, targets_MxBxS: jax.Array):  # fmt: skip
+    """Run the schedule on this rank (inside a ``shard_map`` manual over ``pp``).
 
-    Runs inside a ``shard_map`` manual over ``pp`` (and the dp axes: gradients stay unreduced
-    over dp, :mod:`jaxpar.train.grads`). ``stage_fn(chunk_params, x) -> y`` is one virtual
-    stage; ``head_loss(rest, y, targets)`` the last stage's loss. ``local`` is this rank's
-    ``[v, Lc, ...]`` layer tree, ``rest`` the other parameters, ``x_all`` the embedded
-    micro-batches ``[m, b, s, d]`` and ``tg_all`` their targets. ``reduce_each`` (ZeRO-2)
-    reduces one micro-batch's chunk gradient before it joins the (then sharded) accumulator.
-    The loss and ``rest`` grads come back summed over ``pp``; the input cotangents are those of
-    this rank (only stage 0's rank holds non-zero ones).
+    ``local`` is this rank's ``[v, Lc, ...]`` layer tree, ``tokens``/``targets`` all
+    micro-batches' rows of this dp rank. Returns ``(loss, d local, d embed, d head)`` — the
+    loss (mean over micro-batches) and the embed/head gradients summed over ``pp``, the chunk
+    gradients of this rank — or just the loss for a forward-only plan.
     """
-    sched = plan.schedule
-    p, m, num_stages = sched.p, sched.m, sched.num_stages
-    n_act, n_grad = int(plan.arrays["n_act_slots"]), int(plan.arrays["n_grad_slots"])
-    n_stash = int(plan.arrays["n_stash_slots"])
+    prog = _Program(plan, model, local, embed_params, head_params, tokens_MxBxS, targets_MxBxS)
     me = jax.lax.axis_index("pp")
     rows = {k: jnp.asarray(a)[me] for k, a in plan.rank_tables().items()}
-    reduce_each = reduce_each or (lambda g: g)
-
-    def chunk_params(c):
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), local)
-
-    msg0 = jnp.zeros_like(x_all[0])
-    stash = Stash.probe(stage_fn, chunk_params(0), msg0, recompute)
-    carry0 = {
-        "act": jnp.zeros((max(n_act, 1), *msg0.shape), msg0.dtype),
-        "grad": jnp.zeros((max(n_grad, 1), *msg0.shape), msg0.dtype),
-        "stash": stash.empty(n_stash),
-        # Cotangent of the stage output for a pending W (filed by I) or the last stage's
-        # loss cotangent (filed by its F).
-        "cot": jnp.zeros((n_stash, *msg0.shape), msg0.dtype),
-        # Per local chunk; a ZeRO-2 shard when ``reduce_each`` scatters.
-        "acc": jax.tree.map(
-            lambda a: jnp.zeros((sched.v, *a.shape), a.dtype),
-            jax.eval_shape(reduce_each, chunk_params(0)),
-        ),
-        "acc_rest": jax.tree.map(jnp.zeros_like, rest),
-        "loss": jnp.zeros((), jnp.float32),
-        "dx": jnp.zeros_like(x_all),
-    }
-
-    def idle(c, row):
-        return c, msg0
-
-    def fwd(c, row):
-        s, j, slot = row["stage"], row["mb"], row["stash_slot"]
-        x_in = jnp.where(
-            s == 0,
-            jax.lax.dynamic_index_in_dim(x_all, j, keepdims=False),
-            jax.lax.dynamic_index_in_dim(c["act"], jnp.maximum(row["in_slot"], 0), keepdims=False),
-        )
-        y, res = stash.forward(chunk_params(row["chunk"]), x_in)
-        c = dict(c, stash=write_slot(c["stash"], slot, res))
-
-        def head(y):
-            tg = jax.lax.dynamic_index_in_dim(tg_all, j, keepdims=False)
-            f = lambda r, h: head_loss(r, h, tg) / m  # noqa: E731  mean over micro-batches
-            loss, (d_rest, dy) = jax.value_and_grad(f, argnums=(0, 1))(rest, y)
-            return loss, d_rest, dy
-
-        def no_head(y):
-            return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, rest), y * 0
-
-        loss, d_rest, dy = jax.lax.cond(s == num_stages - 1, head, no_head, y)
-        return dict(
-            c,
-            cot=write_slot([c["cot"]], slot, [dy])[0],
-            acc_rest=jax.tree.map(jnp.add, c["acc_rest"], d_rest),
-            loss=c["loss"] + loss,
-        ), y
-
-    def cotangent(c, row):
-        last = row["stage"] == num_stages - 1
-        from_loss = read_slot([c["cot"]], row["stash_slot"])[0]
-        recv = read_slot([c["grad"]], jnp.maximum(row["in_slot"], 0))[0]
-        return jnp.where(last, from_loss, recv)
-
-    def pullback(c, row):
-        params = chunk_params(row["chunk"])
-        return stash.pullback(params, read_slot(c["stash"], row["stash_slot"]))
-
-    def add_grads(c, row, d_params):
-        d_params = reduce_each(d_params)
-        acc = jax.tree.map(
-            lambda a, d: a.at[row["chunk"]].add(d.astype(a.dtype)), c["acc"], d_params
-        )
-        return dict(c, acc=acc)
-
-    def input_cot(c, row, dx):
-        # Stage 0's input cotangent goes to the embedding's pullback after the pipeline.
-        slot = jnp.where(row["stage"] == 0, row["mb"], -1)
-        return dict(c, dx=write_if(c["dx"], slot, dx))
-
-    def bwd(c, row):
-        d_params, dx = pullback(c, row)(cotangent(c, row))
-        return input_cot(add_grads(c, row, d_params), row, dx), dx
-
-    def inp(c, row):
-        g = cotangent(c, row)
-        _, dx = pullback(c, row)(g)
-        c = dict(c, cot=write_slot([c["cot"]], row["stash_slot"], [g])[0])
-        return input_cot(c, row, dx), dx
-
-    def wgt(c, row):
-        g = read_slot([c["cot"]], row["stash_slot"])[0]
-        d_params, _ = pullback(c, row)(g)
-        return add_grads(c, row, d_params), msg0
-
-    # Kinds the table never uses get the idle branch: less to compile (no I/W for 1F1B).
-    used = set(np.unique(plan.arrays["kind"]).tolist())
-    branches = [f if k in used else idle for k, f in enumerate((idle, fwd, bwd, inp, wgt))]
-
-    def tick(c, row):
-        c, out = jax.lax.switch(row["kind"], branches, c, row)
-        # Both ring directions every tick (collective-permute over pp); the receiver's
-        # table says which arrival is real and where it goes.
-        from_prev = jax.lax.ppermute(out, "pp", [(i, (i + 1) % p) for i in range(p)])
-        from_next = (
-            jax.lax.ppermute(out, "pp", [(i, (i - 1) % p) for i in range(p)])
-            if p > 2
-            else from_prev
-        )
-        act, grad = c["act"], c["grad"]
-        for ch, arrived in enumerate((from_prev, from_next, out)):
-            act = write_if(act, row["recv_act"][ch], arrived)
-            grad = write_if(grad, row["recv_grad"][ch], arrived)
-        return dict(c, act=act, grad=grad), None
-
-    c, _ = jax.lax.scan(tick, carry0, rows)
+    rows["send_idx"] = {key: jnp.asarray(idx) for key, (_, idx) in plan.sends.items()}
+    c, _ = jax.lax.scan(prog.tick, prog.carry0(), rows)
     loss = jax.lax.psum(c["loss"], "pp")
-    d_rest = jax.lax.psum(c["acc_rest"], "pp")
-    return loss, c["acc"], d_rest, c["dx"]
+    if not plan.training:
+        return loss
+    # Only stage 0's rank holds embedding gradients and only the last stage's head gradients;
+    # the other pp ranks contribute zeros.
+    d_embed, d_head = jax.lax.psum((c["acc_embed"], c["acc_head"]), "pp")
+    return loss, c["acc"], d_embed, d_head
+
+
+class _Program:
+    """One rank's tick: its branches, sends and writes (see the module docstring)."""
+
+    def __init__(self, plan, model, local, embed_params, head_params, tokens, targets):
+        self.plan, self.model, self.local = plan, model, local
+        self.embed_p, self.head_p, self.tokens, self.targets = (
+            embed_params,
+            head_params,
+            tokens,
+            targets,
+        )
+        a = plan.arrays
+        self.m, self.v, self.last = plan.schedule.m, plan.schedule.v, plan.schedule.num_stages - 1
+        self.n = {b: int(a[f"n_{b}_slots"]) for b in BUFFERS}
+        self.train = plan.training
+        self.has_fb = bool(np.any(a["f_kind"] == F_CODE["FB"]))
+        x0 = jax.eval_shape(model.embed, embed_params, tokens[0])
+        self.dtype = x0.dtype
+        self.msg0 = jnp.zeros(x0.shape, x0.dtype)
+        self.stage = Stage(model.pieces, self.chunk(0), self.msg0)
+        leaves, self.tree = jax.tree.flatten(self.chunk(0))
+        self.acc_shapes = [jax.eval_shape(r, x) for r, x in zip(model.reduce, leaves, strict=True)]
+        self.zero_head = jax.tree.map(jnp.zeros_like, head_params)
+        if self.train:
+            grad_of = lambda e, t: jax.vjp(lambda q: model.embed(q, t), e)[1](self.msg0)[0]  # noqa: E731
+            self.zero_embed = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_of, embed_params,
+                                                                          tokens[0]))  # fmt: skip
+        self.f_out0 = {
+            "y": self.msg0, "loss": jnp.zeros((), jnp.float32),
+            "stash": _zeros(self.stage.stash_shapes) if self.train else [],
+            "taps": _zeros(self.stage.taps_shapes) if self.train else [],
+            "cot": self.msg0 if self.n["cot"] else None,
+            "d_head": self.zero_head if self.train else None,
+            "dx": self.msg0 if self.has_fb else None,
+            "d_chunk": self._zero_chunk() if self.has_fb else None,
+        }  # fmt: skip
+        if self.train:
+            wpend0 = _zeros(self.stage.wpend_shapes)
+            self.b_out0 = {"dx": self.msg0, "d_chunk": self._zero_chunk(),
+                           "d_embed": self.zero_embed, "wpend": wpend0}  # fmt: skip
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def chunk(self, c):
+        """Local chunk ``c``'s ``[Lc, ...]`` params."""
+        if self.v == 1:
+            return jax.tree.map(lambda a: a[0], self.local)
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False),
+                            self.local)  # fmt: skip
+
+    def _zero_chunk(self):
+        return jax.tree.unflatten(self.tree, _zeros(self.acc_shapes))
+
+    def reduce(self, d, keep=None):
+        """Per-micro-batch reduction of a chunk gradient; leaves outside ``keep`` are known
+        zeros (a split backward's weight-dot leaves in ``I``) and are not reduced."""
+        out = [
+            r(x) if keep is None or keep[k] else jnp.zeros(s.shape, s.dtype)
+            for k, (x, r, s) in enumerate(zip(jax.tree.leaves(d), self.model.reduce,
+                                              self.acc_shapes, strict=True))
+        ]  # fmt: skip
+        return jax.tree.unflatten(self.tree, out)
+
+    def weights(self, field: str, n: int, among=None) -> list[float]:
+        return self.plan.fraction(field, n, among)
+
+    # ---- forward phase ----------------------------------------------------------------------
+
+    def f_idle(self, row, x_in):
+        return self.f_out0
+
+    def f_fwd(self, row, x_in):
+        s, j = row["f_stage"], row["f_mb"]
+        is_f = self.plan.arrays["f_kind"] == F_CODE["F"]
+        embed = lambda: self.model.embed(self.embed_p, self.tokens[j]).astype(self.dtype)  # noqa: E731
+        x_in = _cond(s == 0, embed, lambda: x_in, self.weights("f_stage", 1, is_f)[0])
+        if self.train:
+            y, stash, taps = self.stage.forward(self.chunk(row["f_chunk"]), x_in)
+            out = dict(self.f_out0, y=y, stash=stash, taps=taps)
+        else:
+            out = dict(self.f_out0, y=self.stage.apply(self.chunk(row["f_chunk"]), x_in))
+        tg = self.targets[j]
+
+        def loss_of(hp, h):
+            return self.model.head_loss(hp, h, tg) / self.m  # the mean over micro-batches
+
+        def at_head(y):
+            if not self.train:
+                return loss_of(self.head_p, y), None, None
+            loss, (d_head, dy) = jax.value_and_grad(loss_of, argnums=(0, 1))(self.head_p, y)
+            return loss, d_head, dy
+
+        def not_head(y):
+            return self.f_out0["loss"], self.f_out0["d_head"], (y * 0 if self.train else None)
+
+        p_last = self.weights("f_stage", self.last + 1, is_f)[-1]
+        out["loss"], d_head, dy = _cond(s == self.last, at_head, not_head, p_last, out["y"])
+        if self.train:
+            out["d_head"] = d_head
+            if self.n["cot"]:
+                out["cot"] = dy
+        return out
+
+    def f_fb(self, row, x_in):
+        # The last stage's forward and full backward of one micro-batch in one tick: one VJP,
+        # nothing stashed.
+        tg = self.targets[row["f_mb"]]
+
+        def loss_of(ch, hp, x):
+            return self.model.head_loss(hp, self.stage.apply(ch, x), tg) / self.m
+
+        loss, (d_chunk, d_head, dx) = jax.value_and_grad(loss_of, argnums=(0, 1, 2))(
+            self.chunk(row["f_chunk"]), self.head_p, x_in
+        )
+        return dict(self.f_out0, loss=loss, d_head=d_head, dx=dx, d_chunk=self.reduce(d_chunk))
+
+    # ---- backward phase ---------------------------------------------------------------------
+
+    def embed_grad(self, row, dx):
+        # Stage 0's input cotangent is the embedding's: its gradient is taken here (ZeRO-3: the
+        # gather's transpose reduce-scatters it).
+        def grad(dx):
+            tokens = self.tokens[row["b_mb"]]
+            pullback = jax.vjp(lambda e: self.model.embed(e, tokens), self.embed_p)[1]
+            return pullback(dx.astype(self.dtype))[0]
+
+        b_kind = self.plan.arrays["b_kind"]
+        among = (b_kind == B_CODE["B"]) | (b_kind == B_CODE["I"])
+        p0 = self.weights("b_stage", 1, among)[0]
+        return _cond(row["b_stage"] == 0, grad, lambda dx: self.zero_embed, p0, dx)
+
+    def b_idle(self, row, ins):
+        return self.b_out0
+
+    def b_bwd(self, row, ins):
+        ins = _read_slots(ins, row)
+        d, dx = self.stage.backward(self.chunk(row["b_chunk"]), ins["stash"], ins["taps"],
+                                    ins["g"])  # fmt: skip
+        return dict(self.b_out0, dx=dx, d_chunk=self.reduce(d), d_embed=self.embed_grad(row, dx))
+
+    def b_inp(self, row, ins):
+        ins = _read_slots(ins, row)
+        d_small, dx, wpend = self.stage.input_grads(self.chunk(row["b_chunk"]), ins["stash"],
+                                                    ins["g"])  # fmt: skip
+        keep = self.stage.split.input_grad_mask
+        return dict(self.b_out0, dx=dx, d_chunk=self.reduce(d_small, keep), wpend=wpend,
+                    d_embed=self.embed_grad(row, dx))  # fmt: skip
+
+    def b_wgt(self, row, ins):
+        ins = _read_slots(ins, row)
+        d = self.stage.weight_grads(self.chunk(row["b_chunk"]), ins["taps"], ins["wpend"])
+        return dict(self.b_out0, d_chunk=self.reduce(d))
+
+    # ---- the tick ---------------------------------------------------------------------------
+
+    def send(self, buf: str, value: jax.Array, row) -> dict[int, jax.Array]:
+        """Arrivals per receive channel: per direction one collective-permute with exactly
+        this tick's pairs, or none."""
+        out = {CHANNEL_OF_SEND[SEND_LOCAL]: value}  # the local hop
+        for (b, d), (sets, idx) in self.plan.sends.items():
+            if b != buf:
+                continue
+            perms = [jnp.zeros_like] + [
+                lambda x, ps=ps: jax.lax.ppermute(x, "pp", list(ps)) for ps in sets
+            ]
+            weights = [float(np.mean(idx == k)) for k in range(len(perms))]
+            out[CHANNEL_OF_SEND[d]] = (
+                perms[1](value) if weights[0] == 0 and len(sets) == 1
+                else _switch(row["send_idx"][(b, d)], perms, weights, value)
+            )  # fmt: skip
+        return out
+
+    def file(self, buf_arr, recv: str, arrivals, row):
+        """This tick's arrivals into their slots (channels the table never uses: none)."""
+        for ch, value in arrivals.items():
+            if np.any(self.plan.arrays[recv][:, :, ch] >= 0):
+                buf_arr = _write_if(buf_arr, row[recv][ch], value)
+        return buf_arr
+
+    def tick(self, c, row):
+        """One scan step: forward phase, its send, backward phase, its send, the writes."""
+        used = set(np.unique(self.plan.arrays["f_kind"]).tolist())
+        f_branches = [f if k in used else self.f_idle
+                      for k, f in enumerate((self.f_idle, self.f_fwd, self.f_fb))]  # fmt: skip
+        fo = _switch(row["f_kind"], f_branches, self.weights("f_kind", 3), row,
+                     _slot(c["act"], row["f_in"]))  # fmt: skip
+        arr_act = self.send("act", fo["y"], row)  # on the wire while the backward computes
+        c = dict(c, loss=c["loss"] + fo["loss"])
+        if self.train:
+            c = self._backward_phase(c, row, fo)
+        c["act"] = self.file(c["act"], "recv_act", arr_act, row)
+        return c, None
+
+    def _backward_phase(self, c, row, fo):
+        g = _slot(c["grad"], row["b_in"])
+        if self.n["cot"]:
+            g = jnp.where(row["b_stage"] == self.last, _slot(c["cot"], row["b_cot"]), g)
+        ins = {"g": g, "stash": c["stash"], "taps": c["taps"], "wpend": c["wpend"]}
+        used = set(np.unique(self.plan.arrays["b_kind"]).tolist())
+        every = (self.b_idle, self.b_bwd, self.b_inp, self.b_wgt)
+        branches = [b if k in used else self.b_idle for k, b in enumerate(every)]
+        bo = _switch(row["b_kind"], branches, self.weights("b_kind", 4), row, ins)
+        dx = bo["dx"]
+        if self.has_fb:
+            dx = jnp.where(row["f_kind"] == F_CODE["FB"], fo["dx"], dx)
+        arr_grad = self.send("grad", dx, row)
+        # The forward's stash, taps and cot writes land after the backward has read those
+        # buffers: their slot index depends on the backward's output. Without that data
+        # dependency XLA cannot order the read before the in-place write and copies each
+        # buffer twice per tick.
+        after = _after(bo["dx"])
+        i_write = jnp.where(row["b_kind"] == B_CODE["I"], row["b_dys"], -1)
+        c = dict(
+            c,
+            stash=_write_all(c["stash"], row["f_stash"] + after, fo["stash"]),
+            taps=_write_all(c["taps"], row["f_taps"] + after, fo["taps"]),
+            wpend=_write_all(c["wpend"], i_write, bo["wpend"]),
+            acc=_accumulate(c["acc"], row, bo["d_chunk"], fo["d_chunk"], self.v),
+            acc_embed=jax.tree.map(jnp.add, c["acc_embed"], bo["d_embed"]),
+            acc_head=jax.tree.map(jnp.add, c["acc_head"], fo["d_head"]),
+            grad=self.file(c["grad"], "recv_grad", arr_grad, row),
+        )
+        if self.n["cot"]:
+            c["cot"] = _write_if(c["cot"], row["f_cot"] + after, fo["cot"])
+        return c
+
+    def carry0(self) -> dict:
+        """The scan's initial carry: empty buffers and zero accumulators."""
+        n, msg0 = self.n, self.msg0
+        slots = lambda k, shapes: [jnp.zeros((k, *s.shape), s.dtype) for s in shapes]  # noqa: E731
+        out = {"act": slots(max(n["act"], 1), [msg0])[0], "loss": jnp.zeros((), jnp.float32)}
+        if self.train:
+            out.update(
+                grad=slots(max(n["grad"], 1), [msg0])[0],
+                stash=slots(n["stash"], self.stage.stash_shapes),
+                taps=slots(n["taps"], self.stage.taps_shapes),
+                wpend=slots(n["dys"], self.stage.wpend_shapes),
+                acc=jax.tree.unflatten(self.tree, slots(self.v, self.acc_shapes)),
+                acc_embed=self.zero_embed,
+                acc_head=self.zero_head,
+            )
+            if n["cot"]:
+                out["cot"] = slots(n["cot"], [msg0])[0]
+        return out
+
+
+def _slot(buf: jax.Array, k: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(k, 0), keepdims=False)
+
+
+def _write_if(buf: jax.Array, k: jax.Array, value: jax.Array) -> jax.Array:
+    """``buf[k] = value`` when ``k >= 0``; a dynamic-update-slice of one slot either way (it
+    rewrites the slot's own contents when masked off: no select over the buffer)."""
+    i = jnp.maximum(k, 0)
+    new = jnp.where(k >= 0, value.astype(buf.dtype), _slot(buf, i))
+    return jax.lax.dynamic_update_index_in_dim(buf, new, i, 0)
+
+
+def _write_all(bufs: list[jax.Array], k: jax.Array, values: list[jax.Array]) -> list[jax.Array]:
+    return [_write_if(b, k, x) for b, x in zip(bufs, values, strict=True)]
+
+
+def _read_slots(ins: dict, row) -> dict:
+    """The backward's slots of the stash, taps and dys buffers, read inside the branch (the
+    buffers enter the switch read-only: no slot-sized copy is made before it)."""
+    return dict(
+        ins,
+        stash=[_slot(b, row["b_stash"]) for b in ins["stash"]],
+        taps=[_slot(b, row["b_taps"]) for b in ins["taps"]],
+        wpend=[_slot(b, row["b_dys"]) for b in ins["wpend"]],
+    )
+
+
+def _after(x: jax.Array) -> jax.Array:
+    """An int32 zero that data-depends on ``x`` (``0·x`` is not folded for floats, and a
+    non-finite ``x`` converts to 0 too)."""
+    return (jnp.ravel(x)[0] * 0).astype(jnp.int32)
+
+
+def _zeros(shapes) -> list[jax.Array]:
+    return [jnp.zeros(s.shape, s.dtype) for s in shapes]
+
+
+def _switch(index, branches, weights, *args):
+    with jax.named_scope(branch_scope(weights)):
+        return jax.lax.switch(index, branches, *args)
+
+
+def _cond(pred, true_fn, false_fn, p_true: float, *args):
+    with jax.named_scope(branch_scope([1.0 - p_true, p_true])):
+        return jax.lax.cond(pred, true_fn, false_fn, *args)
+
+
+def _accumulate(acc: Any, row, d_b: Any, d_f: Any | None, v: int) -> Any:
+    """Add this tick's chunk gradients (B/I/W of the backward phase, FB of the forward phase)."""
+    if v == 1:
+        d = d_b if d_f is None else jax.tree.map(jnp.add, d_b, d_f)
+        return jax.tree.map(lambda a, x: a + x[None].astype(a.dtype), acc, d)
+
+    def add(acc, c, d):
+        return jax.tree.map(lambda a, x: a.at[c].add(x.astype(a.dtype)), acc, d)
+
+    acc = add(acc, jnp.maximum(row["b_chunk"], 0), d_b)
+    return acc if d_f is None else add(acc, jnp.maximum(row["f_chunk"], 0), d_f)

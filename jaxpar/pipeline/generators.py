@@ -1,10 +1,18 @@
-"""Per-rank action orders of each pipeline schedule, and the rules on their arguments.
+"""Per-rank steps of each pipeline schedule, and the rules on their arguments.
 
-Each generator ``(p, m, v) -> orders`` returns, per rank, the actions in execution order as
-``(kind, stage, micro-batch)`` tuples; :func:`jaxpar.pipeline.schedules.make_schedule` turns
-them into a validated :class:`~jaxpar.pipeline.schedules.Schedule`. Facts about each schedule
-(warm-up counts, phase structure) come from its paper or reference implementation, cited at
-the generator; the code is jaxpar's own.
+Each generator ``(p, m, v) -> steps`` returns, per rank, its work in execution order as a list
+of *steps*; a step is a tuple of one action, or of two that share a lock-step tick: a forward
+and then a backward (``B`` or ``I``) of the same rank — a *fused tick*. Actions are
+``(kind, stage, micro-batch)`` tuples. :func:`jaxpar.pipeline.schedules.make_schedule` turns
+the steps into a validated :class:`~jaxpar.pipeline.schedules.Schedule`. Facts about each
+schedule (warm-up counts, phase structure) come from its paper or reference implementation,
+cited at the generator; the code is jaxpar's own.
+
+Why fused ticks: the SPMD executor runs the table in lock step, so a tick lasts as long as the
+slowest rank's work. A steady-state tick in which one rank runs ``F`` and another ``B`` (2F)
+wastes the difference; a tick in which every rank runs one ``F`` and one ``B`` does not. The
+forward goes first, so the last stage can run the backward of the micro-batch it has just
+finished in the same tick (it needs no received cotangent).
 """
 
 from __future__ import annotations
@@ -16,34 +24,31 @@ from jaxpar.errors import ConfigError
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")
 Key = tuple[str, int, int]  # (kind, global stage, micro-batch)
+Step = tuple[Key, ...]  # one action, or a forward and a backward fused into one tick
 
 
-def _gpipe(p: int, m: int, v: int) -> list[list[Key]]:
+def _gpipe(p: int, m: int, v: int) -> list[list[Step]]:
     # All forwards, then all backwards in the same micro-batch order: m stashes live per rank.
-    return [[("F", r, j) for j in range(m)] + [("B", r, j) for j in range(m)] for r in range(p)]
+    return [
+        [(("F", r, j),) for j in range(m)] + [(("B", r, j),) for j in range(m)] for r in range(p)
+    ]
 
 
-def _1f1b(p: int, m: int, v: int) -> list[list[Key]]:
-    # PipeDream-flush: rank r warms up with p-1-r forwards, then alternates F/B, then drains.
-    orders = []
-    for r in range(p):
-        warm = min(p - 1 - r, m)
-        row = [("F", r, j) for j in range(warm)]
-        for j in range(m - warm):
-            row += [("F", r, warm + j), ("B", r, j)]
-        row += [("B", r, j) for j in range(m - warm, m)]
-        orders.append(row)
-    return orders
+def _1f1b(p: int, m: int, v: int) -> list[list[Step]]:
+    # 1F1B (PipeDream-flush) in fused ticks: the interleaved form with one chunk per rank.
+    return _interleaved(p, m, 1)
 
 
-def _interleaved(p: int, m: int, v: int) -> list[list[Key]]:
+def _interleaved(p: int, m: int, v: int) -> list[list[Step]]:
     # Megatron-LM's interleaved 1F1B: virtual micro-batch k runs chunk (k // p) % v on
     # micro-batch (k // (p*v)) * p + k % p; backwards visit the chunks in reverse. Warm-up is
-    # 2(p-1-r) + (v-1)p virtual micro-batches, as in Megatron's forward_backward function.
-    if v == 1:
-        return _1f1b(p, m, v)
+    # 2(p-1-r) + (v-1)p virtual micro-batches, as in Megatron's forward_backward function, then
+    # every step fuses F of virtual index k + warm with B of index k into one tick: in the lock
+    # step rank r runs F of index t - r and B of index t - warm_r - r at tick t, so the
+    # lock-step makespan equals the asynchronous one. Rank r then holds warm_r + 1 stashes
+    # (1F1B: 2(p-1-r) + 1, where PipeDream-flush's unfused order holds p - r).
     total = m * v
-    orders = []
+    steps = []
     for r in range(p):
 
         def item(k: int, kind: str, r: int = r) -> Key:
@@ -52,43 +57,44 @@ def _interleaved(p: int, m: int, v: int) -> list[list[Key]]:
             return (kind, chunk * p + r, (k // (p * v)) * p + k % p)
 
         warm = min(2 * (p - 1 - r) + (v - 1) * p, total)
-        row = [item(k, "F") for k in range(warm)]
-        for k in range(total - warm):
-            row += [item(warm + k, "F"), item(k, "B")]
-        row += [item(k, "B") for k in range(total - warm, total)]
-        orders.append(row)
-    return orders
+        row: list[Step] = [(item(k, "F"),) for k in range(warm)]
+        row += [(item(warm + k, "F"), item(k, "B")) for k in range(total - warm)]
+        row += [(item(k, "B"),) for k in range(total - warm, total)]
+        steps.append(row)
+    return steps
 
 
-def _zb_h1(p: int, m: int, v: int) -> list[list[Key]]:
+def _zb_h1(p: int, m: int, v: int) -> list[list[Step]]:
     # ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): steady step x on rank r is
     # (F_x, I_{x-(p-1-r)}, W_{x-(p-1)}). Every rank lags its W by p-1 micro-batches, so it
-    # holds p stashes: 1F1B's peak (rank 0's p), reached on every rank. The deferred W fill
-    # the cool-down bubbles: idle (p-1)(F+I-W) per rank instead of 1F1B's (p-1)(F+B).
-    orders = []
+    # holds p stashes: PipeDream-flush's peak (rank 0's p), reached on every rank. The deferred
+    # W fill the cool-down bubbles: idle (p-1)(F+I-W) per rank instead of 1F1B's (p-1)(F+B).
+    # Every action costs one unit, so ticks of one action each already run in lock step.
+    steps = []
     for r in range(p):
-        row: list[Key] = []
+        row: list[Step] = []
         for x in range(m + p - 1):
             if x < m:
-                row.append(("F", r, x))
+                row.append((("F", r, x),))
             if 0 <= x - (p - 1 - r) < m:
-                row.append(("I", r, x - (p - 1 - r)))
+                row.append((("I", r, x - (p - 1 - r)),))
             if 0 <= x - (p - 1) < m:
-                row.append(("W", r, x - (p - 1)))
-        orders.append(row)
-    return orders
+                row.append((("W", r, x - (p - 1)),))
+        steps.append(row)
+    return steps
 
 
 class _VRow:
     """One rank's order under V placement: chunk 0 is stage ``r``, chunk 1 is ``2p-1-r``.
 
     Counters give each chunk's next micro-batch per action family (``I`` and ``B`` share one,
-    both being "the backward"); ``I`` queues its ``W`` for a FIFO :meth:`weight`.
+    both being "the backward"); ``I`` queues its ``W`` for a FIFO :meth:`weight`. Every action
+    is a step of its own (V-shaped schedules run one action per tick).
     """
 
     def __init__(self, p: int, r: int) -> None:
         self.stages = (r, 2 * p - 1 - r)
-        self.row: list[Key] = []
+        self.row: list[Step] = []
         self.count = {(k, c): 0 for k in "FBW" for c in (0, 1)}
         self.queue: list[Key] = []
 
@@ -96,18 +102,18 @@ class _VRow:
         family = "B" if kind == "I" else kind
         stage, mb = self.stages[chunk], self.count[(family, chunk)]
         self.count[(family, chunk)] += 1
-        self.row.append((kind, stage, mb))
+        self.row.append(((kind, stage, mb),))
         if kind == "I":
             self.queue.append(("W", stage, mb))
 
     def weight(self) -> None:
-        self.row.append(self.queue.pop(0))
+        self.row.append((self.queue.pop(0),))
 
     def n(self, family: str, chunk: int) -> int:
         return self.count[(family, chunk)]
 
 
-def _zbv(p: int, m: int, v: int) -> list[list[Key]]:
+def _zbv(p: int, m: int, v: int) -> list[list[Step]]:
     # ZB-V (Qi et al. 2024), phases as in the paper's figure and PyTorch's ZBV schedule.
     # Warm-up fills the V with forwards (2(p-r)-1 of chunk 0, then r F1/F0 pairs, then p-r
     # F1 I1 W1), the steady phase alternates F/I/W of chunk 0 and chunk 1, the cool-down runs
@@ -141,10 +147,14 @@ def _zbv(p: int, m: int, v: int) -> list[list[Key]]:
     return orders
 
 
-def _dualpipev(p: int, m: int, v: int) -> list[list[Key]]:
+def _dualpipev(p: int, m: int, v: int) -> list[list[Step]]:
     # DeepSeek DualPipeV (deepseek-ai/DualPipe, dualpipev.py), its eight steps per rank; see
     # the schedules module docstring for what is modelled. Full backwards are "B"; zero-bubble
     # backwards are "I" with their "W" queued FIFO, as DualPipe's weight-gradient store does.
+    # Its overlapped pairs (a forward of one chunk with the full backward of the other) stay
+    # two ticks: fused, they lengthen the lock step (p 4, m 8: 31.5 against 27 units, async
+    # 25.5), because the ranks are in different phases when they run them, so a fused tick on
+    # one rank waits against single actions on the others.
     orders = []
     for r in range(p):
         b = _VRow(p, r)
@@ -178,7 +188,7 @@ def _dualpipev(p: int, m: int, v: int) -> list[list[Key]]:
     return orders
 
 
-GENERATORS: dict[str, Callable[[int, int, int], list[list[Key]]]] = {
+GENERATORS: dict[str, Callable[[int, int, int], list[list[Step]]]] = {
     "gpipe": _gpipe,
     "1f1b": _1f1b,
     "interleaved": _interleaved,

@@ -2,11 +2,20 @@
 
 :func:`jaxpar.train.grads.loss_and_grads` runs every layout inside one ``shard_map`` manual over
 the dp axes; with a pipeline it is manual over ``pp`` too and calls :meth:`PipelineRun.local`
-on each rank: the embedding of the rank's rows (and its pullback after the schedule), the
-schedule itself (:func:`jaxpar.pipeline.executor.run_local`) with the model's own stage
-function (:meth:`Model.blocks`) and head (:meth:`Model.head_loss`) under the layout's hooks
-(remat, ZeRO-3 gathers). Gradients leave unreduced over dp; the caller reduces them once as
-the ZeRO stage says (ZeRO-2: every micro-batch, inside the backward branch).
+on each rank: the schedule (:func:`jaxpar.pipeline.executor.run_local`) with the model's own
+pieces — :meth:`Model.embed` on stage 0, :meth:`Model.block` as the layer of every stage,
+:meth:`Model.head_loss` on the last — under the layout's hooks (remat policy, ZeRO-3 gathers).
+Gradients leave unreduced over dp; the caller reduces them once as the ZeRO stage says
+(ZeRO-2: every micro-batch, inside the backward branch). :meth:`PipelineRun.local_loss` is the
+forward-only schedule for evaluation.
+
+**Layers at rest in placement order.** ``params["layers"]`` is stacked ``[L, ...]`` and
+sharded over ``pp`` on ``L``; the stack is stored in the placement order of the layout's
+schedule (:func:`layer_order`): rank ``r``'s rows are its chunks in ascending stage order. So
+the arrangement ``[p, v, L/(p·v), ...]`` the executor reads is a free reshape of the
+pp-sharded array for every schedule — interleaved and V placements move no weights in a step.
+Where order is visible, the stack is converted to canonical order and back
+(:func:`to_canonical`, :func:`to_rest`): checkpoints, Hugging Face import/export, inference.
 """
 
 from __future__ import annotations
@@ -17,11 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline.executor import Plan, arrange, run_local, unarrange
+from jaxpar.pipeline.executor import PipelineModel, Plan, run_local
+from jaxpar.pipeline.generators import placement_for
+from jaxpar.pipeline.stage import StagePieces
+from jaxpar.train.remat import remat_of
 
 if TYPE_CHECKING:
+    from jaxpar.config import LayoutConfig
     from jaxpar.train.grads import GradContext
     from jaxpar.train.reduce import DPReduction
 
@@ -29,41 +43,72 @@ ARRANGED_LEAD = 2  # [L, ...] -> [p, v, L/(p·v), ...]: two more leading dims
 
 
 @lru_cache(maxsize=16)
-def plan_for(kind: str, p: int, m: int, v: int, n_layers: int) -> Plan:
-    """The (cached) plan of a layout's schedule."""
-    return Plan.make(kind, p, m, v, n_layers)
+def plan_for(kind: str, p: int, m: int, v: int, n_layers: int, forward_only=False) -> Plan:
+    """The (cached) plan of a layout's schedule (``forward_only``: its forwards alone)."""
+    return Plan.make(kind, p, m, v, n_layers, forward_only)
+
+
+def layer_order(layout: LayoutConfig, n_layers: int) -> np.ndarray | None:
+    """Canonical layer index at each position of the stack at rest; None when the two orders
+    agree (no pipeline, or one stage per rank)."""
+    if layout.pp <= 1:
+        return None
+    place = placement_for(layout.schedule, layout.pp, layout.virtual)
+    lc = n_layers // len(place)
+    stages = [s for r in range(layout.pp) for s, q in enumerate(place) if q == r]
+    order = np.array([s * lc + i for s in stages for i in range(lc)], np.int32)
+    return None if np.all(order == np.arange(n_layers)) else order
+
+
+def _permute(tree: Any, index: np.ndarray | None) -> Any:
+    """Every leaf under a ``layers`` key (params, optimizer moments) reindexed on its first
+    dim; other leaves untouched. Run under jit with the state's shardings (a collective over
+    ``pp``: only where order is visible, never in a step)."""
+    if index is None:
+        return tree
+
+    def one(path, x):
+        under = any(isinstance(k, jax.tree_util.DictKey) and k.key == "layers" for k in path)
+        return jnp.take(x, index, axis=0) if under and getattr(x, "ndim", 0) else x
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def to_canonical(tree: Any, order: np.ndarray | None) -> Any:
+    """Layer stacks at rest (placement order) -> canonical order."""
+    return _permute(tree, None if order is None else np.argsort(order))
+
+
+def to_rest(tree: Any, order: np.ndarray | None) -> Any:
+    """Layer stacks in canonical order -> at rest (placement order)."""
+    return _permute(tree, order)
 
 
 class PipelineRun:
     """One step's pipeline: arrangement of the layer stack, specs, and the per-rank body."""
 
-    def __init__(self, ctx: GradContext):
+    def __init__(self, ctx: GradContext, forward_only: bool = False):
         lay = ctx.layout
         self.ctx = ctx
         self.plan = plan_for(lay.schedule, lay.pp, lay.microbatches, lay.virtual,
-                             ctx.model.cfg.n_layers)  # fmt: skip
+                             ctx.model.cfg.n_layers, forward_only)  # fmt: skip
 
     # ---- outside the region (GSPMD) --------------------------------------------------------
 
     def arrange(self, params: Any) -> Any:
-        """Params with the layer stack as ``[p, v, L/(p·v), ...]`` in placement order."""
-        rules = self.ctx.rules
-        logical = self.ctx.model.logical_axes()["layers"]
-        at_rest = jax.tree.map(rules.spec, logical, is_leaf=lambda x: isinstance(x, tuple))
-        red = self.ctx.reduction
-        if red.stage >= 3:  # keep the ZeRO axis: the layers enter the region sharded
-            at_rest = jax.tree.map(
-                lambda s, d: _with_axis(s, d, red.axis), at_rest, red.dims["layers"],
-                is_leaf=lambda x: isinstance(x, P),
-            )  # fmt: skip
-        specs = jax.tree.map(
-            lambda s: P("pp", None, None, *list(s)[1:]), at_rest, is_leaf=lambda x: isinstance(x, P)
-        )
-        return dict(params, layers=arrange(params["layers"], self.plan, specs))
+        """Params with the layer stack as ``[p, v, L/(p·v), ...]``: a reshape (at rest the
+        stack is in placement order already)."""
+        s = self.plan.schedule
+
+        def one(a):
+            return a.reshape(s.p, s.v, self.plan.per_chunk, *a.shape[1:])
+
+        return dict(params, layers=jax.tree.map(one, params["layers"]))
 
     def unarrange(self, grads: Any) -> Any:
         """Inverse of :meth:`arrange` for the gradients."""
-        return dict(grads, layers=unarrange(grads["layers"], self.plan))
+        flat = lambda g: g.reshape(self.plan.n_layers, *g.shape[3:])  # noqa: E731
+        return dict(grads, layers=jax.tree.map(flat, grads["layers"]))
 
     def lead_specs(self, ndims: Any) -> Any:
         """Per leaf, the manual axes of the leading dims: ``pp`` on the arranged rank dim."""
@@ -89,43 +134,69 @@ class PipelineRun:
 
     # ---- inside the region (manual over pp and dp) -----------------------------------------
 
+    def pieces_for(self, positions_S: jax.Array) -> PipelineModel:
+        """The model pieces the executor runs for one step (hooks, remat, reductions)."""
+        ctx, red = self.ctx, self.ctx.reduction
+        model, dims = ctx.model, red.dims
+        remat = ctx.remat
+        recompute = remat.recompute_forward
+        hooks = ctx.hooks(stage_recompute=recompute)
+
+        def pre(lp):  # ZeRO-3: each layer's weights gathered where they are used
+            if red.stage < 3:
+                return lp
+            return red.gather(lp, dims["layers"], red.auto_specs["layers"], shift=1)
+
+        def layer(lp, x):
+            return model.block(pre(lp), x, positions_S)
+
+        def embed(ep, tokens):
+            return model.embed({"embed": hooks.embed(ep)}, tokens, ctx.compute_dtype)
+
+        def head_loss(hp, y, targets):
+            return hooks.head(model.head_loss)(hp, y, targets)
+
+        # A layer never keeps a weight for its backward (not even a cast or fused copy): the
+        # stash holds activations only. Recomputed stages run their layers unchecked.
+        policy = remat_of("none" if recompute else remat.name).policy(zero3=True)
+        split = any(a.kind == "I" for row in self.plan.schedule.orders for a in row)
+        pieces = StagePieces(layer, policy, recompute, split)
+        return PipelineModel(pieces, embed, head_loss, self._reducers())
+
+    def _reducers(self) -> tuple:
+        """Per chunk-gradient leaf, its per-micro-batch reduction (ZeRO-2's reduce-scatter of
+        the local tp/sp block), else the identity."""
+        red = self.ctx.reduction
+        dims = jax.tree.leaves(red.dims["layers"])
+        if red.stage != 2:
+            return (lambda g: g,) * len(dims)
+        # A chunk leaf [Lc, ...] has the rank of the stack at rest [L, ...]: same dims, specs.
+        specs = jax.tree.leaves(red.auto_specs["layers"], is_leaf=lambda x: isinstance(x, P))
+        return tuple(
+            dataclasses.replace(red, dims=d, auto_specs=s).per_microbatch
+            for d, s in zip(dims, specs, strict=True)
+        )
+
+    def _split_params(self, params: Any):
+        model = self.ctx.model
+        local = jax.tree.map(lambda a: a[0], params["layers"])  # [v, Lc, ...]
+        return local, params["embed"], model.head_params(params)
+
     def local(self, params: Any, tokens_BxS: jax.Array, targets_BxS: jax.Array):
         """Loss and unreduced gradients of this rank's rows through the schedule."""
         from jaxpar.train.grads import microbatch_split  # noqa: PLC0415
 
-        ctx, plan = self.ctx, self.plan
-        model, red, m = ctx.model, ctx.reduction, ctx.layout.microbatches
-        recompute = ctx.remat.recompute_forward
-        hooks = ctx.hooks(stage_recompute=recompute)
-        positions = jnp.arange(tokens_BxS.shape[1])
-
-        def embed(emb):
-            x = model.embed({"embed": hooks.embed(emb)}, tokens_BxS, ctx.compute_dtype)
-            return microbatch_split(x, m)  # [m, b/m, S, D]
-
-        x_mb, embed_pullback = jax.vjp(embed, params["embed"])
-
-        def stage_fn(chunk, x):
-            return model.blocks(chunk, x, positions, hooks.layer)
-
-        # ZeRO-2: each micro-batch's chunk gradient is reduce-scattered before accumulating.
-        chunk_red = dataclasses.replace(
-            red, dims=red.dims["layers"], auto_specs=red.auto_specs["layers"]
-        )
-        reduce_each = chunk_red.per_microbatch if red.stage == 2 else None
-        local = jax.tree.map(lambda a: a[0], params["layers"])  # [v, Lc, ...]
-        loss, d_local, d_head, dx = run_local(
-            plan,
-            stage_fn,
-            hooks.head(model.head_loss),
+        red, m = self.ctx.reduction, self.ctx.layout.microbatches
+        local, embed_p, head_p = self._split_params(params)
+        loss, d_local, d_embed, d_head = run_local(
+            self.plan,
+            self.pieces_for(jnp.arange(tokens_BxS.shape[1])),
             local,
-            model.head_params(params),
-            x_mb,
+            embed_p,
+            head_p,
+            microbatch_split(tokens_BxS, m),
             microbatch_split(targets_BxS, m),
-            recompute,
-            reduce_each,
         )
-        (d_embed,) = embed_pullback(dx.astype(x_mb.dtype))
         grads = dict(d_head)
         grads["embed"] = jax.tree.map(jnp.add, d_head["embed"], d_embed) if "embed" in d_head \
             else d_embed  # fmt: skip
@@ -134,14 +205,21 @@ class PipelineRun:
             rest = {k: v for k, v in grads.items() if k != "layers"}
             sub = dataclasses.replace(red, dims={k: red.dims[k] for k in rest},
                                       auto_specs={k: red.auto_specs[k] for k in rest})  # fmt: skip
-            rest = sub.per_microbatch(rest)
-            grads.update(rest)
+            grads.update(sub.per_microbatch(rest))
         return loss, grads
 
+    def local_loss(self, params: Any, tokens_BxS: jax.Array, targets_BxS: jax.Array):
+        """Mean loss of this rank's rows through the forward-only schedule (no gradient)."""
+        from jaxpar.train.grads import microbatch_split  # noqa: PLC0415
 
-def _with_axis(spec: P, dim: int, axis: str) -> P:
-    if dim < 0:
-        return spec
-    parts = list(spec) + [None] * max(0, dim + 1 - len(spec))
-    parts[dim] = axis
-    return P(*parts)
+        m = self.ctx.layout.microbatches
+        local, embed_p, head_p = self._split_params(params)
+        return run_local(
+            self.plan,
+            self.pieces_for(jnp.arange(tokens_BxS.shape[1])),
+            local,
+            embed_p,
+            head_p,
+            microbatch_split(tokens_BxS, m),
+            microbatch_split(targets_BxS, m),
+        )

@@ -1,9 +1,11 @@
 """Drawing schedules: an aligned ASCII tick table and PNG timelines (matplotlib, Agg backend).
 
-The ASCII form shows the lock-step table the executor runs (one column per tick); the PNG
-shows the asynchronous timing (box widths are the action costs), which is what the bubble
-figures measure. :func:`plot_schedules` stacks several schedules on one time axis so their
-lengths compare at a glance.
+The ASCII form shows the lock-step table the executor runs (one column per tick; a fused tick
+reads ``F4.2+B0.1``). The PNG shows, per schedule, the asynchronous timing (box widths are the
+action costs; what the bubble figures measure) above the lock-step timing (each tick as long as
+its slowest rank's work, a fused tick's forward and backward side by side; what the executor
+runs). :func:`plot_schedules` stacks several schedules on one time axis so their lengths compare
+at a glance.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ IDLE = "."
 def ascii_table(schedule: Schedule, max_ticks: int | None = None) -> str:
     """One row per rank, one column per lock-step tick, cells like ``F3.5`` (``.`` idle)."""
     ticks = schedule.num_ticks if max_ticks is None else min(max_ticks, schedule.num_ticks)
-    cells = [[IDLE if a is None else str(a) for a in row[:ticks]] for row in schedule.ticks]
+    cells = [
+        ["+".join(map(str, cell)) if cell else IDLE for cell in row[:ticks]]
+        for row in schedule.ticks
+    ]
     width = max([len(str(ticks - 1))] + [len(c) for row in cells for c in row])
     label = len(f"rank {schedule.p - 1}")
     lines = [" " * label + " " + " ".join(f"{t:>{width}}" for t in range(ticks))]
@@ -42,14 +47,27 @@ def stats_block(schedule: Schedule, st: ScheduleStats) -> str:
             f"max per-rank-span bubble {max(st.span_bubble):.4f}  start skew {st.start_skew:g}",
             f"lock-step ticks {st.lockstep_ticks}  makespan {st.lockstep_makespan:g}  "
             f"bubble {st.lockstep_bubble_fraction:.4f}",
-            f"peak in-flight stashes per rank {st.peak_inflight}",
+            f"peak stashes per rank (lock step) {st.peak_stashes}",
         ]
     )
 
 
-def _draw(ax, schedule: Schedule, costs: dict[str, float], title: str) -> float:
-    """Draw one schedule's asynchronous timeline on ``ax``; return its makespan."""
-    times = simulate_async(schedule, costs)
+def lockstep_times(schedule: Schedule, costs: dict[str, float]) -> dict:
+    """``(start, end)`` of every action in the lock-step table: a tick starts when the slowest
+    rank's work of the previous one ends; a fused tick runs its forward, then its backward."""
+    times, start = {}, 0.0
+    for col in zip(*schedule.ticks, strict=True):
+        for cell in col:
+            t = start
+            for a in cell:
+                times[(a.kind, a.stage, a.mb)] = (t, t + costs[a.kind])
+                t += costs[a.kind]
+        start += max(sum(costs[a.kind] for a in cell) for cell in col)
+    return times
+
+
+def _draw(ax, schedule: Schedule, times: dict, title: str) -> float:
+    """Draw one timeline (``times`` of every action) on ``ax``; return its makespan."""
     span = max(end for _, end in times.values())
     for (kind, s, j), (start, end) in times.items():
         r = schedule.placement[s]
@@ -85,9 +103,10 @@ def plot_schedules(
     i: float = 1.0,
     w: float = 1.0,
 ) -> Path:
-    """Write one PNG with the asynchronous timelines of ``schedules`` stacked on one time axis.
+    """Write one PNG with the timelines of ``schedules`` stacked on one time axis: per schedule
+    the asynchronous timing, then the lock-step timing of its tick table.
 
-    Each panel is titled with the kind, shape and bubble; colours: F blue, B green, I light
+    Each panel is titled with the kind, shape and makespan; colours: F blue, B green, I light
     green, W ochre. Returns the path written.
     """
     import matplotlib
@@ -96,9 +115,9 @@ def plot_schedules(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    heights = [0.35 * s.p + 0.6 for s in schedules]
+    heights = [0.35 * s.p + 0.6 for s in schedules for _ in range(2)]
     fig, axes = plt.subplots(
-        len(schedules),
+        len(heights),
         1,
         figsize=(14, sum(heights) + 0.6),
         squeeze=False,
@@ -106,14 +125,18 @@ def plot_schedules(
         sharex=True,
     )
     longest = 0.0
-    for ax, sched in zip(axes[:, 0], schedules, strict=True):
+    for k, sched in enumerate(schedules):
         st = stats(sched, f, b, i, w)
-        title = (
-            f"{sched.kind}  p={sched.p} m={sched.m} v={sched.v}  "
-            f"makespan {st.makespan:g}  bubble {st.bubble_fraction:.3f}  "
-            f"peak in-flight {max(st.peak_inflight)}"
+        costs = action_costs(sched, f, b, i, w)
+        head = f"{sched.kind}  p={sched.p} m={sched.m} v={sched.v}"
+        async_title = f"{head}  async makespan {st.makespan:g}  bubble {st.bubble_fraction:.3f}"
+        lock_title = (
+            f"{head}  lock step: {st.lockstep_ticks} ticks, makespan {st.lockstep_makespan:g}, "
+            f"peak stashes {max(st.peak_stashes)}"
         )
-        longest = max(longest, _draw(ax, sched, action_costs(sched, f, b, i, w), title))
+        span = _draw(axes[2 * k, 0], sched, simulate_async(sched, costs), async_title)
+        span2 = _draw(axes[2 * k + 1, 0], sched, lockstep_times(sched, costs), lock_title)
+        longest = max(longest, span, span2)
     axes[-1, 0].set_xlim(0, longest)
     axes[-1, 0].set_xlabel("time (F of a full stage = 1)")
     fig.legend(

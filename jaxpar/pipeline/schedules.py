@@ -11,11 +11,15 @@ Vocabulary
 * ``placement[s]`` is the rank holding stage ``s``: standard ``s`` (v = 1), interleaved
   (Megatron) ``s mod p``, V-shaped (ZB-V, DualPipeV; v = 2) rank ``r`` holds ``r`` and
   ``2p-1-r``, so stages ``p-1`` and ``p`` sit on the same rank and that hop is local.
-* ``orders[r]`` is what rank ``r`` executes, strictly in that order. ``ticks[r][t]`` is the
-  lock-step table derived from the orders: at tick ``t`` a rank runs its next action if every
-  dependency ran at a tick ``< t`` (data sent during tick ``t-1`` is there at tick ``t``),
-  otherwise it idles (``None``). This table is what the SPMD executor scans over; see
-  :mod:`jaxpar.pipeline.tables` for its integer-array form.
+* ``steps[r]`` is what rank ``r`` executes, strictly in that order: each step is one action,
+  or a *fused* pair — a forward and then a backward (``B``/``I``) that share one tick.
+  ``orders[r]`` is the same work flattened to actions (what asynchronous timing runs).
+* ``ticks[r][t]`` is the lock-step table derived from the steps: at tick ``t`` a rank runs its
+  next step if every dependency on another action ran at a tick ``< t`` (data sent during tick
+  ``t-1`` is there at tick ``t``) — within a fused step the backward may use the forward that
+  precedes it in the same tick (the last stage's own micro-batch) —, otherwise it idles (an
+  empty tuple). A cell is a tuple of the tick's actions, forward first. This table is what the
+  SPMD executor scans over; see :mod:`jaxpar.pipeline.tables` for its integer-array form.
 
 Dependencies: ``F(s,j)`` after ``F(s-1,j)``; ``B/I(s,j)`` after ``F(s,j)`` and after
 ``B/I(s+1,j)`` (the last stage starts its backward from its own loss); ``W(s,j)`` after
@@ -42,6 +46,7 @@ from jaxpar.pipeline.generators import (
     KINDS,
     V_SHAPED,
     Key,
+    Step,
     check_arguments,
     placement_for,
 )
@@ -51,7 +56,10 @@ if TYPE_CHECKING:
 
     from jaxpar.pipeline.timing import ScheduleStats
 
-__all__ = ["KINDS", "V_SHAPED", "Action", "Schedule", "ScheduleError", "make_schedule", "validate"]
+__all__ = [
+    "KINDS", "V_SHAPED", "Action", "Cell", "Schedule", "ScheduleError", "Step", "make_schedule",
+    "validate",
+]  # fmt: skip
 
 ACTION_KINDS = ("F", "B", "I", "W")
 
@@ -78,17 +86,25 @@ class Action:
         return Action(text[0], int(stage), int(mb))
 
 
+Cell = tuple[Action, ...]  # one rank's work in one tick: (), (a,), or (F, backward)
+
+
 @dataclass
 class Schedule:
-    """A pipeline schedule: placement, per-rank orders and the lock-step tick table."""
+    """A pipeline schedule: placement, per-rank steps (fused ticks) and the lock-step table."""
 
     kind: str
     p: int
     m: int
     v: int
     placement: tuple[int, ...]  # global stage -> rank
-    orders: tuple[tuple[Action, ...], ...]  # per rank, in execution order
-    ticks: tuple[tuple[Action | None, ...], ...] = field(default=())  # [rank][tick]
+    steps: tuple[tuple[Cell, ...], ...]  # per rank, in execution order
+    ticks: tuple[tuple[Cell, ...], ...] = field(default=())  # [rank][tick]
+
+    @property
+    def orders(self) -> tuple[tuple[Action, ...], ...]:
+        """Per rank, the actions in execution order (the steps flattened)."""
+        return tuple(tuple(a for step in row for a in step) for row in self.steps)
 
     @property
     def num_stages(self) -> int:
@@ -113,8 +129,8 @@ class Schedule:
         return {
             (a.kind, a.stage, a.mb): t
             for row in self.ticks
-            for t, a in enumerate(row)
-            if a is not None
+            for t, cell in enumerate(row)
+            for a in cell
         }
 
     def as_arrays(self) -> dict[str, np.ndarray]:
@@ -147,27 +163,48 @@ def dependencies(a: Action, num_stages: int, bwd: dict[tuple[int, int], str]) ->
     return deps
 
 
-def lockstep(orders: Sequence[Sequence[Action]], num_stages: int) -> list[list[Action | None]]:
-    """Lock-step table of ``orders``: each tick every rank runs its next action if ready."""
-    p, bwd = len(orders), backward_kind(orders)
+def _key(a: Action) -> Key:
+    return (a.kind, a.stage, a.mb)
+
+
+def check_cell(cell: Sequence[Action], where: str) -> None:
+    """A tick's work on one rank: at most one forward and one backward piece, forward first."""
+    kinds = [a.kind for a in cell]
+    if len(cell) > 2 or (len(cell) == 2 and (kinds[0] != "F" or kinds[1] == "F")):
+        raise ScheduleError(f"{where}: a tick holds one action or F then a backward, not {kinds}")
+
+
+def lockstep(steps: Sequence[Sequence[Cell]], num_stages: int) -> list[list[Cell]]:
+    """Lock-step table of ``steps``: each tick every rank runs its next step if it is ready.
+
+    A step is ready at tick ``t`` when each dependency ran at a tick ``< t``, or is the
+    forward of the same step (run first in the same tick).
+    """
+    p = len(steps)
+    bwd = backward_kind([[a for st in row for a in st] for row in steps])
     done: dict[Key, int] = {}
-    ptr, rows = [0] * p, [[] for _ in range(p)]  # type: list[int], list[list[Action | None]]
-    remaining, t = sum(len(o) for o in orders), 0
+    ptr, rows = [0] * p, [[] for _ in range(p)]  # type: list[int], list[list[Cell]]
+    remaining, t = sum(len(o) for o in steps), 0
     while remaining:
         ready = []
         for r in range(p):
-            if ptr[r] < len(orders[r]):
-                a = orders[r][ptr[r]]
-                if all(done.get(d, t) < t for d in dependencies(a, num_stages, bwd)):
-                    ready.append((r, a))
+            if ptr[r] < len(steps[r]):
+                step = steps[r][ptr[r]]
+                own = {_key(a) for a in step}
+                deps = [d for a in step for d in dependencies(a, num_stages, bwd) if d not in own]
+                if all(done.get(d, t) < t for d in deps):
+                    ready.append((r, tuple(step)))
         if not ready:
-            waiting = [str(orders[r][ptr[r]]) for r in range(p) if ptr[r] < len(orders[r])]
+            waiting = [
+                "+".join(map(str, steps[r][ptr[r]])) for r in range(p) if ptr[r] < len(steps[r])
+            ]
             raise ScheduleError(f"deadlock at tick {t}: ranks wait on {', '.join(waiting)}")
         for row in rows:
-            row.append(None)
-        for r, a in ready:
-            rows[r][t] = a
-            done[(a.kind, a.stage, a.mb)] = t
+            row.append(())
+        for r, step in ready:
+            rows[r][t] = step
+            for a in step:
+                done[_key(a)] = t
             ptr[r] += 1
         remaining -= len(ready)
         t += 1
@@ -175,10 +212,19 @@ def lockstep(orders: Sequence[Sequence[Action]], num_stages: int) -> list[list[A
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` unless ``schedule`` is complete, placed and causal."""
+    """Raise :class:`ScheduleError` unless ``schedule`` is complete, placed and causal.
+
+    Checks every dependency across ticks (strictly earlier) and inside a fused tick (the
+    backward may follow the forward of its own tick, on its own rank, and nothing else).
+    """
     s_count, m = schedule.num_stages, schedule.m
-    if len(schedule.placement) != s_count or len(schedule.orders) != schedule.p:
-        raise ScheduleError("placement/orders do not match p*v stages and p ranks")
+    if len(schedule.placement) != s_count or len(schedule.steps) != schedule.p:
+        raise ScheduleError("placement/steps do not match p*v stages and p ranks")
+    for r, row in enumerate(schedule.steps):
+        for step in row:
+            if not step:
+                raise ScheduleError(f"rank {r}: an empty step")
+            check_cell(step, f"rank {r}")
     seen: dict[Key, int] = {}
     for r, row in enumerate(schedule.orders):
         for a in row:
@@ -201,14 +247,19 @@ def validate(schedule: Schedule) -> None:
     if len(rows) != schedule.p or len({len(row) for row in rows}) != 1:
         raise ScheduleError("tick table must have one row per rank, all of one length")
     for r, row in enumerate(rows):
-        if tuple(a for a in row if a is not None) != tuple(schedule.orders[r]):
-            raise ScheduleError(f"rank {r}: tick table does not follow the rank's order")
+        if tuple(cell for cell in row if cell) != tuple(schedule.steps[r]):
+            raise ScheduleError(f"rank {r}: tick table does not follow the rank's steps")
     tick, bwd = schedule.tick_of(), backward_kind(schedule.orders)
-    for key, t in tick.items():
-        a = Action(*key)
-        for d in dependencies(a, s_count, bwd):
-            if tick[d] >= t:
-                raise ScheduleError(f"{a} at tick {t} needs {Action(*d)} earlier (tick {tick[d]})")
+    for r, row in enumerate(rows):
+        for t, cell in enumerate(row):
+            check_cell(cell, f"tick {t} rank {r}")
+            for i, a in enumerate(cell):
+                same = {_key(b) for b in cell[:i]}  # run before it in this tick, same rank
+                for d in dependencies(a, s_count, bwd):
+                    if tick[d] > t or (tick[d] == t and d not in same):
+                        raise ScheduleError(
+                            f"{a} at tick {t} needs {Action(*d)} earlier (tick {tick[d]})"
+                        )
 
 
 def make_schedule(kind: str, p: int, m: int, v: int | None = None) -> Schedule:
@@ -219,8 +270,11 @@ def make_schedule(kind: str, p: int, m: int, v: int | None = None) -> Schedule:
     for inputs the schedule does not support.
     """
     v = check_arguments(kind, p, m, v)
-    orders = tuple(tuple(Action(*key) for key in row) for row in GENERATORS[kind](p, m, v))
-    sched = Schedule(kind, p, m, v, placement_for(kind, p, v), orders)
-    sched.ticks = tuple(map(tuple, lockstep(sched.orders, sched.num_stages)))
+    steps = tuple(
+        tuple(tuple(Action(*key) for key in step) for step in row)
+        for row in GENERATORS[kind](p, m, v)
+    )
+    sched = Schedule(kind, p, m, v, placement_for(kind, p, v), steps)
+    sched.ticks = tuple(map(tuple, lockstep(sched.steps, sched.num_stages)))
     validate(sched)
     return sched

@@ -1,42 +1,44 @@
 """The tick table as integer arrays: the contract between schedules and the SPMD executor.
 
 The executor runs one ``lax.scan`` over ticks ``t = 0 .. T-1``; in each tick every rank ``r``
-(``P = p`` ranks) looks up row ``[t, r]`` and does, in this order:
+(``P = p`` ranks) looks up row ``[t, r]`` and runs two phases, a forward and a backward (a
+fused tick uses both; an unfused one leaves one idle):
 
-1. **compute**: ``kind[t, r]`` — 0 idle, 1 ``F``, 2 ``B`` (full backward), 3 ``I`` (input
-   gradient), 4 ``W`` (weight gradient) — of global virtual stage ``stage[t, r]``, which is
-   local chunk ``chunk[t, r]`` of the rank (index into the rank's stages in ascending order:
-   interleaved chunk ``c`` is stage ``c*p + r``; V-shaped chunk 0 is stage ``r``, chunk 1 is
-   ``2p-1-r``), on micro-batch ``mb[t, r]``. Idle rows hold -1 in every field.
+1. **forward phase** ``f_kind[t, r]``: 0 idle, 1 ``F``, 2 ``FB`` — the forward and the full
+   backward of the same (stage, micro-batch) in one tick (the last stage of a fused schedule:
+   no stash, its cotangent comes from its own loss). Stage ``f_stage``, local chunk
+   ``f_chunk`` (index into the rank's stages in ascending order: interleaved chunk ``c`` is
+   stage ``c*p + r``; V-shaped chunk 0 is stage ``r``, chunk 1 is ``2p-1-r``), micro-batch
+   ``f_mb``. ``F`` reads its input from activation slot ``f_in`` (stage 0: -1, it embeds the
+   micro-batch's tokens) and leaves what its backward needs in stash slot ``f_stash`` (and, for
+   schedules with a split backward, the weight matmuls' inputs in taps slot ``f_taps``); the
+   last stage runs the head and loss and files the output cotangent in cot slot ``f_cot``.
+2. **backward phase** ``b_kind[t, r]``: 0 idle, 1 ``B`` (full backward), 2 ``I`` (input
+   gradient), 3 ``W`` (weight gradient), on ``b_stage``/``b_chunk``/``b_mb``. ``B``/``I`` read
+   the output cotangent from cotangent slot ``b_in`` (last stage: -1, from cot slot ``b_cot``)
+   and the stash from ``b_stash`` (freed). ``I`` files the weight matmuls' output cotangents in
+   dys slot ``b_dys``; ``W`` reads them there (and the taps from ``b_taps``) and frees both. A
+   ``B`` of a schedule with split backwards reads ``b_taps`` too (it is ``I`` then ``W``).
 
-   * ``F`` reads its input from activation slot ``in_slot[t, r]`` (stage 0: -1, read
-     micro-batch ``mb`` of the data instead), and writes its residuals (VJP residuals, or just
-     the input under remat) into stash slot ``stash_slot[t, r]``. The last stage also computes
-     the loss here (its backward needs no received cotangent).
-   * ``B``/``I`` read the output cotangent from cotangent slot ``in_slot[t, r]`` (last stage:
-     -1, the cotangent comes from the loss) and the residuals from ``stash_slot[t, r]``.
-     ``B`` frees the stash slot. ``I`` keeps it and files the output cotangent into it, so the
-     later ``W`` finds both there (its cotangent slot is free as soon as ``I`` has run).
-   * ``W`` reads stash slot ``stash_slot[t, r]`` and frees it; it sends nothing.
-   A slot that is read in tick ``t`` may be written again at the end of tick ``t``.
+**Sends.** ``f_send[t, r]`` says where the forward's activation goes (to the next stage),
+``b_send[t, r]`` where the input cotangent of a ``B``/``I``/``FB`` goes (to the previous
+stage): ``0`` nowhere (``F`` of the last stage, backward of stage 0), ``1`` to rank
+``(r+1) % p``, ``2`` to rank ``(r-1) % p``, ``3`` local (the next/previous stage is on this
+same rank: every hop for ``p = 1``, the V's turn at rank ``p-1``). With ``p = 2`` both
+neighbours coincide and only code 1 is used.
 
-2. **send**: ``send[t, r]`` says where this tick's output goes — the activation of an ``F``
-   (to the next stage) or the input cotangent of a ``B``/``I`` (to the previous stage):
-   ``0`` nothing (also: ``F`` of the last stage, ``B``/``I`` of stage 0), ``1`` to rank
-   ``(r+1) % p``, ``2`` to rank ``(r-1) % p``, ``3`` local (next/previous stage is on this same
-   rank: every hop for ``p = 1``, the V's turn at rank ``p-1``, ...). Codes 1 and 2 map to two
-   ``ppermute`` ring shifts; with ``p = 2`` both neighbours coincide and only code 1 is used.
+**Receives** are filed at the end of the tick, after every read, so a slot read in tick ``t``
+may be written again at its end. ``recv_act[t, r, c]`` / ``recv_grad[t, r, c]`` name the slot
+for the message on channel ``c``: ``0`` came from rank ``(r-1) % p`` (its code 1), ``1`` from
+rank ``(r+1) % p`` (its code 2), ``2`` local; -1 where nothing arrives. A rank receives at most
+one message per channel per tick (a sender runs one forward and one backward per tick). The
+stash, taps, dys and cot buffers are written at the end of the tick too.
 
-3. **receive**: what arrived this tick is filed at the end of the tick.
-   ``recv_act[t, r, c]`` / ``recv_grad[t, r, c]`` give the activation / cotangent slot for the
-   message on channel ``c``: ``0`` came from rank ``(r-1) % p`` (its code 1), ``1`` from rank
-   ``(r+1) % p`` (its code 2), ``2`` local; -1 where nothing arrives. A rank receives at most
-   one message per channel per tick (each sender runs one action per tick).
-
-Buffer sizes (same on every rank, as SPMD needs): ``n_act_slots``, ``n_grad_slots`` and
-``n_stash_slots`` (0-d arrays). ``n_stash_slots`` equals the peak in-flight count (max over
-ranks); the receive buffers never need more (checked by :func:`check_slots` in the tests).
-Slots are assigned by interval colouring (lowest free slot first), which is optimal.
+Buffer sizes (same on every rank, as SPMD needs) are the ``n_<buffer>_slots`` 0-d arrays, by
+interval colouring (lowest free slot first, which is optimal). A (stage, micro-batch) occupies
+a stash slot from the tick after its forward to its backward (``B``/``I``), so in a fused tick
+the forward's new stash reuses the slot the backward frees: ``n_stash_slots`` is the lock-step
+peak (:func:`jaxpar.pipeline.timing.peak_stashes`) less one where fused ticks reach it.
 """
 
 from __future__ import annotations
@@ -45,11 +47,17 @@ import numpy as np
 
 from jaxpar.pipeline.schedules import Schedule, ScheduleError, backward_kind
 
-KIND_CODE = {"F": 1, "B": 2, "I": 3, "W": 4}
-CODE_KIND = {c: k for k, c in KIND_CODE.items()}
+F_CODE = {"F": 1, "FB": 2}
+B_CODE = {"B": 1, "I": 2, "W": 3}
 SEND_NONE, SEND_NEXT, SEND_PREV, SEND_LOCAL = 0, 1, 2, 3
 FROM_PREV, FROM_NEXT, FROM_LOCAL = 0, 1, 2  # receive channels
-_CHANNEL_OF_SEND = {SEND_NEXT: FROM_PREV, SEND_PREV: FROM_NEXT, SEND_LOCAL: FROM_LOCAL}
+CHANNEL_OF_SEND = {SEND_NEXT: FROM_PREV, SEND_PREV: FROM_NEXT, SEND_LOCAL: FROM_LOCAL}
+BUFFERS = ("act", "grad", "stash", "taps", "dys", "cot")
+PER_TICK = (
+    "f_kind", "f_stage", "f_chunk", "f_mb", "f_in", "f_stash", "f_taps", "f_cot", "f_send",
+    "b_kind", "b_stage", "b_chunk", "b_mb", "b_in", "b_stash", "b_taps", "b_dys", "b_cot",
+    "b_send",
+)  # fmt: skip
 
 
 def send_code(src: int, dst: int, p: int) -> int:
@@ -63,7 +71,8 @@ def send_code(src: int, dst: int, p: int) -> int:
     raise ScheduleError(f"rank {src} cannot send to non-neighbour rank {dst}")
 
 
-def _destination(src: int, code: int, p: int) -> int:
+def destination(src: int, code: int, p: int) -> int:
+    """Rank a message with direction ``code`` from ``src`` arrives at."""
     return {SEND_LOCAL: src, SEND_NEXT: (src + 1) % p, SEND_PREV: (src - 1) % p}[code]
 
 
@@ -81,83 +90,104 @@ def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict[object, int]
     return slot_of, len(busy_until)
 
 
+def fused_fb(schedule: Schedule) -> set[tuple[int, int]]:
+    """(stage, micro-batch) whose forward and full backward share a tick (run as ``FB``)."""
+    tick = schedule.tick_of()
+    return {(s, j) for (k, s, j), t in tick.items() if k == "B" and tick[("F", s, j)] == t}
+
+
 def as_arrays(schedule: Schedule) -> dict[str, np.ndarray]:
     """Integer arrays of ``schedule`` for the executor (layout in the module docstring).
 
-    Keys: ``kind``, ``stage``, ``chunk``, ``mb``, ``in_slot``, ``stash_slot``, ``send``
-    (int32 ``[T, P]``); ``recv_act``, ``recv_grad`` (int32 ``[T, P, 3]``); ``n_act_slots``,
-    ``n_grad_slots``, ``n_stash_slots`` (int32 scalars).
+    Keys: :data:`PER_TICK` (int32 ``[T, P]``); ``recv_act``, ``recv_grad`` (int32
+    ``[T, P, 3]``); ``n_<buffer>_slots`` for :data:`BUFFERS` (int32 scalars). A table of
+    forwards alone (evaluation) has no backward phase, cotangents or stashes.
     """
-    p, T, S = schedule.p, schedule.num_ticks, schedule.num_stages
+    p, T, S, m = schedule.p, schedule.num_ticks, schedule.num_stages, schedule.m
     tick, place = schedule.tick_of(), schedule.placement
     bwd = backward_kind(schedule.orders)
-    out = {
-        k: np.full((T, p), -1, np.int32)
-        for k in ("kind", "stage", "chunk", "mb", "in_slot", "stash_slot")
-    }
-    out["kind"][:] = 0
-    out["send"] = np.zeros((T, p), np.int32)
+    split = any(k == "I" for k in bwd.values())
+    fb = fused_fb(schedule)
+    out = {k: np.full((T, p), -1, np.int32) for k in PER_TICK}
+    for k in ("f_kind", "b_kind", "f_send", "b_send"):
+        out[k][:] = 0
     out["recv_act"] = np.full((T, p, 3), -1, np.int32)
     out["recv_grad"] = np.full((T, p, 3), -1, np.int32)
     chunk = [schedule.chunk_of(s) for s in range(S)]
     for (kind, s, j), t in tick.items():
         r = place[s]
-        out["kind"][t, r], out["stage"][t, r] = KIND_CODE[kind], s
-        out["chunk"][t, r], out["mb"][t, r] = chunk[s], j
+        if kind == "F":
+            ph, code = "f_", F_CODE["FB" if (s, j) in fb else "F"]
+        elif (s, j) in fb:
+            continue  # the FB of the forward phase does it
+        else:
+            ph, code = "b_", B_CODE[kind]
+        out[ph + "kind"][t, r], out[ph + "stage"][t, r] = code, s
+        out[ph + "chunk"][t, r], out[ph + "mb"][t, r] = chunk[s], j
 
-    # One message per (stage boundary, micro-batch) in each direction. Activation for stage
-    # s >= 1 is sent by F(s-1) and read by F(s); the cotangent for stage s < S-1 is sent by
-    # B/I(s+1) and read by B/I(s). Each occupies its receiver's slot from the tick after it is
-    # sent until the tick that reads it.
-    messages = {"act": [], "grad": []}  # type: dict[str, list[tuple[int, int, int, int, Key]]]
-    for s in range(S):
-        for j in range(schedule.m):
-            b = bwd[(s, j)]
-            if s > 0:
-                messages["act"].append(
-                    (place[s - 1], place[s], tick[("F", s - 1, j)], tick[("F", s, j)], ("F", s, j))
-                )
-            if s < S - 1:
-                messages["grad"].append(
-                    (
-                        place[s + 1],
-                        place[s],
-                        tick[(bwd[(s + 1, j)], s + 1, j)],
-                        tick[(b, s, j)],
-                        (b, s, j),
-                    )
-                )
+    # One message per (stage boundary, micro-batch) in each direction. The activation for
+    # stage s >= 1 is sent by F(s-1) and read by F(s); the cotangent for stage s < S-1 is sent
+    # by the B/I(s+1) (or FB) and read by B/I(s). Each occupies its receiver's slot from the
+    # tick after it is sent until the tick that reads it.
     counts = {}
-    for buf, msgs in messages.items():
+    for buf in ("act", "grad"):
+        msgs = []  # (src, dst, send tick, read tick, reader)
+        for s in range(S):
+            for j in range(m):
+                if buf == "act" and s > 0:
+                    msgs.append((place[s - 1], place[s], tick[("F", s - 1, j)],
+                                 tick[("F", s, j)], (s, j)))  # fmt: skip
+                if buf == "grad" and s < S - 1 and bwd:  # (none in a forward-only table)
+                    msgs.append((place[s + 1], place[s], tick[(bwd[(s + 1, j)], s + 1, j)],
+                                 tick[(bwd[(s, j)], s, j)], (s, j)))  # fmt: skip
+        counts[buf] = 0
+        reader_field = "f_in" if buf == "act" else "b_in"
+        send_field = "f_send" if buf == "act" else "b_send"
+        for r in range(p):
+            mine = [x for x in msgs if x[1] == r]
+            slot_of, n = _colour([(ts + 1, tr, item) for _, _, ts, tr, item in mine])
+            counts[buf] = max(counts[buf], n)
+            for src, dst, ts, tr, item in mine:
+                code = send_code(src, dst, p)
+                out[send_field][ts, src] = code
+                out["recv_" + buf][ts, dst, CHANNEL_OF_SEND[code]] = slot_of[item]
+                out[reader_field][tr, dst] = slot_of[item]
+
+    # Per-rank buffers: (write tick, last read tick, item) -> slot fields of both ends.
+    def spans(buf: str, s: int, j: int):
+        if not bwd:  # forward only: nothing waits for a backward
+            return None
+        b = bwd[(s, j)]
+        last = ("B" if b == "B" else "W", s, j)
+        if (s, j) in fb:
+            return None
+        if buf == "stash":
+            return ("F", s, j), (b, s, j)
+        if buf == "taps" and split:
+            return ("F", s, j), last
+        if buf == "dys" and b == "I":
+            return ("I", s, j), ("W", s, j)
+        if buf == "cot" and s == S - 1:
+            return ("F", s, j), (b, s, j)
+        return None
+
+    for buf in ("stash", "taps", "dys", "cot"):
         counts[buf] = 0
         for r in range(p):
-            mine = [(ts + 1, tr, reader) for src, dst, ts, tr, reader in msgs if dst == r]
-            slot_of, n = _colour(mine)
+            items = {}
+            for s in schedule.stages_of(r):
+                for j in range(m):
+                    ends = spans(buf, s, j)
+                    if ends:
+                        items[(s, j)] = ends
+            slot_of, n = _colour([(tick[w] + 1, tick[rd], it) for it, (w, rd) in items.items()])
             counts[buf] = max(counts[buf], n)
-            for src, dst, ts, tr, reader in msgs:
-                if dst != r:
-                    continue
-                code = send_code(src, dst, p)
-                out["send"][ts, src] = code
-                out["recv_" + buf][ts, dst, _CHANNEL_OF_SEND[code]] = slot_of[reader]
-                out["in_slot"][tr, dst] = slot_of[reader]
-
-    n_stash = 0
-    for r in range(p):
-        spans = []
-        for s in schedule.stages_of(r):
-            for j in range(schedule.m):
-                last = ("B", s, j) if bwd[(s, j)] == "B" else ("W", s, j)
-                spans.append((tick[("F", s, j)] + 1, tick[last], (s, j)))
-        slot_of, n = _colour(spans)
-        n_stash = max(n_stash, n)
-        for (s, j), k in slot_of.items():
-            for kind in ("F", "B", "I", "W"):
-                if (kind, s, j) in tick:
-                    out["stash_slot"][tick[(kind, s, j)], r] = k
-    out["n_act_slots"] = np.asarray(counts["act"], np.int32)
-    out["n_grad_slots"] = np.asarray(counts["grad"], np.int32)
-    out["n_stash_slots"] = np.asarray(n_stash, np.int32)
+            for it, (w, rd) in items.items():
+                for key in (w, rd):
+                    ph = "f_" if key[0] == "F" else "b_"
+                    out[ph + buf][tick[key], r] = slot_of[it]
+    for buf in BUFFERS:
+        out[f"n_{buf}_slots"] = np.asarray(counts[buf], np.int32)
     return out
 
 
@@ -169,8 +199,10 @@ def check_slots(schedule: Schedule, arrays: dict[str, np.ndarray]) -> None:
     is received, and that every buffer is empty at the end.
     """
     p, S = schedule.p, schedule.num_stages
-    size = {b: int(arrays[f"n_{b}_slots"]) for b in ("act", "grad", "stash")}
-    bufs = {b: [[None] * size[b] for _ in range(p)] for b in size}
+    size = {b: int(arrays[f"n_{b}_slots"]) for b in BUFFERS}
+    bufs = {b: [[None] * size[b] for _ in range(p)] for b in BUFFERS}
+    split = "I" in backward_kind(schedule.orders).values()
+    at = {k: arrays[k] for k in PER_TICK}
 
     def take(buf: str, r: int, k: int, want: tuple[int, int], free: bool, t: int) -> None:
         if not 0 <= k < size[buf] or bufs[buf][r][k] != want:
@@ -183,42 +215,72 @@ def check_slots(schedule: Schedule, arrays: dict[str, np.ndarray]) -> None:
             raise ScheduleError(f"tick {t} rank {r}: {buf} slot {k} is live or out of range")
         bufs[buf][r][k] = item
 
-    kind, stage, mb = arrays["kind"], arrays["stage"], arrays["mb"]
-    for t in range(kind.shape[0]):
+    def no_slot(t: int, r: int, *fields: str) -> None:
+        for f in fields:
+            if at[f][t, r] != -1:
+                raise ScheduleError(f"tick {t} rank {r}: {f} is set for an action without one")
+
+    def send(t: int, buf: str, r: int, s_to: int, j: int, field: str, writes, expected) -> None:
+        code = int(at[field][t, r])
+        dst = schedule.placement[s_to]
+        if code != send_code(r, dst, p) or destination(r, code, p) != dst:
+            raise ScheduleError(f"tick {t} rank {r}: wrong {field} {code}")
+        ch = CHANNEL_OF_SEND[code]
+        writes.append((buf, dst, int(arrays["recv_" + buf][t, dst, ch]), (s_to, j)))
+        expected[buf][dst, ch] = 0
+
+    for t in range(at["f_kind"].shape[0]):
+        writes: list[tuple[str, int, int, tuple[int, int]]] = []
         expected = {"act": np.full((p, 3), -1), "grad": np.full((p, 3), -1)}
-        sent: list[tuple[str, int, int, tuple[int, int]]] = []
+
         for r in range(p):
-            code = int(kind[t, r])
-            if code == 0:
-                if arrays["send"][t, r] != SEND_NONE:
-                    raise ScheduleError(f"tick {t} rank {r}: idle rank sends")
-                continue
-            k, s, j = CODE_KIND[code], int(stage[t, r]), int(mb[t, r])
-            slot, stash = int(arrays["in_slot"][t, r]), int(arrays["stash_slot"][t, r])
-            has_input = s > 0 if k == "F" else (k != "W" and s < S - 1)
-            if not has_input and slot != -1:
-                raise ScheduleError(f"tick {t} rank {r}: {k}{s}.{j} has an input slot")
-            if has_input:
-                take("act" if k == "F" else "grad", r, slot, (s, j), True, t)
-            if k == "F":
-                put("stash", r, stash, (s, j), t)
-            else:
-                take("stash", r, stash, (s, j), k != "I", t)
-            if k in ("F", "B", "I") and (0 < s if k != "F" else s < S - 1):
-                nxt = s + 1 if k == "F" else s - 1
-                dst = schedule.placement[nxt]
-                send = int(arrays["send"][t, r])
-                if send != send_code(r, dst, p) or _destination(r, send, p) != dst:
-                    raise ScheduleError(f"tick {t} rank {r}: wrong send code {send}")
-                buf = "act" if k == "F" else "grad"
-                ch = _CHANNEL_OF_SEND[send]
-                sent.append((buf, dst, int(arrays["recv_" + buf][t, dst, ch]), (nxt, j)))
-                expected[buf][dst, ch] = 0
-            elif int(arrays["send"][t, r]) != SEND_NONE:
-                raise ScheduleError(f"tick {t} rank {r}: send without a message")
-        # Messages are filed after every rank has read: a slot read this tick may be reused.
-        for buf, dst, k, item in sent:
-            put(buf, dst, k, item, t)
+            fk, bk = int(at["f_kind"][t, r]), int(at["b_kind"][t, r])
+            sends = {"f_send": False, "b_send": False}
+            if fk:
+                s, j = int(at["f_stage"][t, r]), int(at["f_mb"][t, r])
+                if s > 0:
+                    take("act", r, int(at["f_in"][t, r]), (s, j), True, t)
+                else:
+                    no_slot(t, r, "f_in")
+                if fk == F_CODE["FB"]:
+                    no_slot(t, r, "f_stash", "f_taps", "f_cot")
+                else:
+                    writes.append(("stash", r, int(at["f_stash"][t, r]), (s, j)))
+                    if split:
+                        writes.append(("taps", r, int(at["f_taps"][t, r]), (s, j)))
+                    if s == S - 1:
+                        writes.append(("cot", r, int(at["f_cot"][t, r]), (s, j)))
+                if s < S - 1:
+                    send(t, "act", r, s + 1, j, "f_send", writes, expected)
+                    sends["f_send"] = True
+                if fk == F_CODE["FB"] and s > 0:
+                    send(t, "grad", r, s - 1, j, "b_send", writes, expected)
+                    sends["b_send"] = True
+            if bk:
+                s, j = int(at["b_stage"][t, r]), int(at["b_mb"][t, r])
+                kind = {c: k for k, c in B_CODE.items()}[bk]
+                if kind in ("B", "I"):
+                    if s < S - 1:
+                        take("grad", r, int(at["b_in"][t, r]), (s, j), True, t)
+                    else:
+                        take("cot", r, int(at["b_cot"][t, r]), (s, j), True, t)
+                    take("stash", r, int(at["b_stash"][t, r]), (s, j), True, t)
+                    if s > 0:
+                        send(t, "grad", r, s - 1, j, "b_send", writes, expected)
+                        sends["b_send"] = True
+                if kind == "I":
+                    writes.append(("dys", r, int(at["b_dys"][t, r]), (s, j)))
+                if kind == "W":
+                    take("dys", r, int(at["b_dys"][t, r]), (s, j), True, t)
+                if split and kind in ("B", "W"):
+                    take("taps", r, int(at["b_taps"][t, r]), (s, j), True, t)
+            for field, used in sends.items():
+                if not used and int(at[field][t, r]) != SEND_NONE:
+                    raise ScheduleError(f"tick {t} rank {r}: {field} without a message")
+        # Messages and stashes are filed after every rank has read: a slot read this tick
+        # may be reused at its end.
+        for buf, r, k, item in writes:
+            put(buf, r, k, item, t)
         for buf in ("act", "grad"):
             stray = (arrays["recv_" + buf][t] >= 0) & (expected[buf] < 0)
             if stray.any():

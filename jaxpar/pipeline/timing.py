@@ -9,10 +9,14 @@ schedule does the same total work ``m * (f + b)`` per rank and bubbles compare d
   ``1 - busy / (p * makespan)``; ``span_bubble`` is per rank, over the rank's own span from its
   first start to its last end (zero-bubble schedules make this zero; what remains is the
   ``start_skew`` before the last rank gets its first input).
-* Lock-step: the tick table, each tick lasting as long as its slowest action.
+* Lock-step: the tick table, each tick lasting as long as its slowest rank's work (a fused
+  tick's forward and backward add up).
 * ``peak_inflight[r]``: most (stage, micro-batch) stashes alive at once on rank ``r`` — from the
-  forward until the last backward piece that reads it (``B``, or ``W`` when split). It depends
-  only on the rank's order, so both timings agree on it.
+  forward until the last backward piece that reads it (``B``, or ``W`` when split) — in the
+  rank's order. ``peak_stashes[r]``: the same in the lock-step table, counting a stash alive in
+  every tick from its forward's to its last backward's, both included: in a fused tick the new
+  forward's residuals exist while the backward still reads the old ones. This is what the
+  executor holds.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class ScheduleStats:
     lockstep_makespan: float
     lockstep_bubble_fraction: float
     peak_inflight: list[int]
+    peak_stashes: list[int]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for JSON)."""
@@ -101,6 +106,26 @@ def peak_inflight(schedule: Schedule) -> list[int]:
     return peaks
 
 
+def peak_stashes(schedule: Schedule) -> list[int]:
+    """Most stashes alive in one tick of the lock-step table, per rank (module docstring)."""
+    tick = schedule.tick_of()
+    bwd = backward_kind(schedule.orders)
+    peaks = []
+    for r in range(schedule.p):
+        live = [0] * (schedule.num_ticks + 1)
+        for s in schedule.stages_of(r):
+            for j in range(schedule.m):
+                last = "B" if bwd[(s, j)] == "B" else "W"
+                live[tick[("F", s, j)]] += 1
+                live[tick[(last, s, j)] + 1] -= 1
+        run = peak = 0
+        for x in live:
+            run += x
+            peak = max(peak, run)
+        peaks.append(peak)
+    return peaks
+
+
 def stats(
     schedule: Schedule, f: float = 1.0, b: float | None = None, i: float = 1.0, w: float = 1.0
 ) -> ScheduleStats:
@@ -116,7 +141,7 @@ def stats(
         firsts.append(first)
         spans.append(1.0 - busy[r] / (last - first))
     tick_len = [
-        max((costs[a.kind] for a in col if a is not None), default=0.0)
+        max(sum(costs[a.kind] for a in cell) for cell in col)
         for col in zip(*schedule.ticks, strict=True)
     ]
     lock_makespan = sum(tick_len)
@@ -131,6 +156,7 @@ def stats(
         lockstep_makespan=lock_makespan,
         lockstep_bubble_fraction=1.0 - total_busy / (schedule.p * lock_makespan),
         peak_inflight=peak_inflight(schedule),
+        peak_stashes=peak_stashes(schedule),
     )
 
 

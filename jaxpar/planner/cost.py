@@ -32,7 +32,7 @@ from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.planner import traffic as TR
 from jaxpar.planner.activations import block_residuals, kv_heads_local
-from jaxpar.planner.executor import JAXPAR, Executor
+from jaxpar.planner.executor import JAXPAR, Executor, for_model
 from jaxpar.planner.hardware import crosses_nodes, link_bw, matmul_efficiency
 from jaxpar.planner.memory import Shape
 from jaxpar.planner.pipe import ActionCosts, PipeFigures, figures
@@ -155,6 +155,7 @@ def step_cost(
     elementwise_passes: float = ELEMENTWISE_PASSES,
 ) -> Cost:
     """Cost terms of ``lay`` on ``hw`` (module docstring)."""
+    executor = for_model(model, executor)
     lt = layer_time(model, hw, lay, shape, executor, elementwise_passes)
     layers, m = model.n_layers // lay.pp, lay.microbatches
     full = lay.remat == "full"

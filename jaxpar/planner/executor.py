@@ -38,9 +38,13 @@ class Executor:
       attention); ``overlap_dp``: share of the backward (forward too
       for ZeRO-3's gathers) that can hide the data-parallel traffic.
     * ``carry_copies``: extra copies of the pipeline scan's carry (stashes, accumulators) the
-      compiled tick holds — XLA's CPU compile copies most of the carry in every switch branch
-      (jax-ml/jax#38145); calibrated on one pipeline layout (BENCHMARKS.md). A tick whose
-      branches touch only their own slots makes it 0.
+      compiled tick holds — XLA's CPU compile copies the carry in every switch branch that
+      passes it through (jax-ml/jax#38145). jaxpar's branches touch only their own slots and
+      its slot writes are ordered after the reads: 0 (the HLO's copy bytes per tick,
+      ``scripts/bench_pipeline.py``).
+    * ``tick_stashes``: stash-sized residual sets a tick holds beyond the schedule's peak (the
+      backward's slot read out of the buffer and its working set); calibrated on one pipeline
+      layout (BENCHMARKS.md).
     """
 
     name: str = "jaxpar"
@@ -54,15 +58,27 @@ class Executor:
     score_bytes: float = 24.0
     overlap_tp: float = 0.0
     overlap_dp: float = 0.8
-    carry_copies: float = 0.89
+    carry_copies: float = 0.0
+    tick_stashes: float = 1.0
 
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""
         return replace(self, **kw)
 
 
-# jaxpar's train step as this branch compiles it (dense attention, fp32 logits, lock-step
-# ticks). W costs one forward once the pipeline keeps each weight matmul's own cotangent; XLA's
+# jaxpar's train step as it compiles by default: a flash-style attention core (``model.attention``
+# auto → cuDNN or the blockwise kernel), the cross entropy in ``loss_chunk`` chunks, lock-step
+# ticks. W costs one forward once the pipeline keeps each weight matmul's own cotangent; XLA's
 # async collectives with the latency-hiding scheduler (meshes/*.yaml xla_flags) overlap the
 # data-parallel reduction with the backward, nothing overlaps the tensor-parallel all-reduces.
-JAXPAR = Executor()
+JAXPAR = Executor(attention="blockwise", loss="chunked")
+
+
+def for_model(model, executor: Executor = JAXPAR) -> Executor:
+    """``executor`` as it runs ``model`` (a :class:`~jaxpar.config.ModelConfig`): jaxpar's own
+    executor follows the model's ``attention`` and ``loss_chunk`` settings; a published
+    framework's executor is returned unchanged."""
+    if executor.name != JAXPAR.name:
+        return executor
+    attention = "dense" if model.attention == "dense" else "blockwise"
+    return executor.with_(attention=attention, loss="chunked", loss_chunk=model.loss_chunk)

@@ -17,8 +17,10 @@ all call. Breakdown (bytes on the most loaded device; ``host`` apart):
   ``selective``/``full``) a share of one layer's un-rematerialised residuals, and ZeRO-3's
   gathered weights of the layer being computed.
 * ``head``: the loss's fp32 logits-sized buffers (``dense``), or a chunk of them.
-* ``pipeline``: the executor's message slots, the embedded micro-batches and their
-  cotangents, and the replicated head/embedding gradient accumulator (pp > 1).
+* ``pipeline``: the executor's message slots, the stash-sized sets a tick holds beyond the
+  schedule's peak (``Executor.tick_stashes``), and the replicated head/embedding gradient
+  accumulator (pp > 1; stage 0 embeds each micro-batch in its forward, so no embedded batch
+  is held).
 
 The ``XLA_*`` constants are what XLA's buffer assignment adds over the counted tensors; they
 were calibrated once on one device (15 compiles of the test model varying layers, vocabulary,
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import LayoutConfig, ModelConfig
 from jaxpar.planner.activations import block_residuals
-from jaxpar.planner.executor import JAXPAR, Executor
+from jaxpar.planner.executor import JAXPAR, Executor, for_model
 from jaxpar.planner.pipe import PipeFigures, figures
 from jaxpar.planner.shapes import param_counts
 
@@ -76,6 +78,7 @@ def memory(
     pipe: PipeFigures | None = None,
 ) -> dict[str, float]:
     """Per-device bytes by kind (see the module docstring), ``total`` and ``host``."""
+    executor = for_model(model, executor)
     pc = param_counts(model, lay)
     wp, wc = DTYPE_BYTES[lay.param_dtype], DTYPE_BYTES[lay.compute_dtype]
     params = wp * pc.held("params")
@@ -124,9 +127,9 @@ def memory(
     pipeline = 0.0
     if lay.pp > 1:
         msg = wc * tokens * model.d_model / (lay.tp if lay.sequence_parallel else 1)
-        n_act, n_grad, n_stash = pipe.slots
-        pipeline += msg * (n_act + n_grad + n_stash)  # receive slots and the cotangent slots
-        pipeline += 2 * msg * lay.microbatches  # embedded micro-batches and their cotangents
+        n_act, n_grad, n_cot = pipe.slots
+        pipeline += msg * (n_act + n_grad + n_cot)  # receive slots and the loss cotangents
+        pipeline += executor.tick_stashes * per_layer * chunk  # the tick's own residual sets
         pipeline += wp * (pc.local - pc.local_of("layers"))  # head/embedding grads accumulator
         # The scan carries the stashes and the gradient accumulators (Executor.carry_copies).
         pipeline += executor.carry_copies * (acts + pipeline + grads)

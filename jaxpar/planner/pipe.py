@@ -46,7 +46,9 @@ class PipeFigures:
     ticks: int  # rows of the tick table (the executor's scan length)
     sends: int  # point-to-point messages the busiest rank sends per step (each way counted)
     peak_stashes: tuple[int, ...]  # per rank: most (stage, micro-batch) stashes alive at once
-    slots: tuple[int, int, int]  # executor buffers: activation, cotangent and stash slots
+    # Message-sized executor buffers: received activations, received cotangents, and the last
+    # stage's loss cotangents waiting for their backward.
+    slots: tuple[int, int, int]
     extrapolated: bool
 
     @property
@@ -76,11 +78,14 @@ def _table(kind: str, p: int, m: int, v: int) -> tuple:
 
     sched = make_schedule(kind, p, m, v)
     arrays = sched.as_arrays()
-    send = arrays["send"]
-    remote = ((send != SEND_NONE) & (send != SEND_LOCAL)).sum(axis=0)
-    slots = tuple(int(arrays[f"n_{b}_slots"]) for b in ("act", "grad", "stash"))
+    remote = sum(
+        ((arrays[k] != SEND_NONE) & (arrays[k] != SEND_LOCAL)).sum(axis=0)
+        for k in ("f_send", "b_send")
+    )
+    slots = tuple(int(arrays[f"n_{b}_slots"]) for b in ("act", "grad", "cot"))
     st = sched.stats()
-    return sched, st.lockstep_ticks, int(np.max(remote)), tuple(st.peak_inflight), slots
+    # Lock-step peaks: what the executor holds (a fused tick's new stash beside the old).
+    return sched, st.lockstep_ticks, int(np.max(remote)), tuple(st.peak_stashes), slots
 
 
 @lru_cache(maxsize=8192)
@@ -126,6 +131,7 @@ def figures(
         busy += (busy2 - busy) * periods
         ticks += round((t2 - ticks) * periods)
         sends += round((s2 - sends) * periods)
-    if kind == "gpipe":
+    if kind == "gpipe":  # every forward before any backward: m stashes and loss cotangents
         peaks = tuple(m * v for _ in peaks)
+        slots = (*slots[:2], m)
     return PipeFigures(makespan, busy, ticks, sends, peaks, slots, extra > 0)

@@ -30,7 +30,7 @@ from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.errors import ConfigError
 from jaxpar.planner import memory as M
 from jaxpar.planner.cost import Cost, step_cost
-from jaxpar.planner.executor import JAXPAR, Executor
+from jaxpar.planner.executor import JAXPAR, Executor, for_model
 
 HEADROOM = 0.92  # share of device memory a layout may use (runtime, fragmentation, NCCL buffers)
 MAX_MB_TOKENS = 65536  # past this many tokens per micro-batch, matmul efficiency is saturated
@@ -97,6 +97,7 @@ def evaluate(
     mem: dict[str, float] | None = None,
 ) -> Candidate:
     """Memory and time of one layout (assumed valid: see :func:`runnable`)."""
+    executor = for_model(model, executor)
     mem = mem or M.memory(model, lay, shape, executor)
     cost = step_cost(model, hw, lay, shape, executor, mem["host"])
     flags = list(cost.flags)

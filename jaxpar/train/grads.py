@@ -153,6 +153,36 @@ def _local_accumulate(ctx: GradContext, params: Any, tokens_BxS, targets_BxS):
     return loss_sum / k, jax.tree.map(lambda a: a / k, acc)
 
 
+def mean_loss(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> jax.Array:
+    """Mean loss of the global batch, no gradient (evaluation), params at rest.
+
+    With a pipeline it runs the schedule's forwards alone in the same region as
+    :func:`loss_and_grads` (each stage's weights stay on their rank); otherwise the model's
+    forward under GSPMD, which places any gather the layout needs.
+    """
+    if ctx.layout.pp <= 1:
+        return ctx.model.loss(params, batch_BxT[:, :-1], batch_BxT[:, 1:], ctx.compute_dtype)
+    from jaxpar.pipeline.grads import PipelineRun  # noqa: PLC0415  (pipeline imports us)
+
+    run = PipelineRun(ctx, forward_only=True)
+    ndims = jax.tree.map(lambda a: a.ndim, ctx.abstract)
+    lead, ndims = run.lead_specs(ndims), run.arranged_ndims(ndims)
+    red, outer = ctx.reduction, run.arranged_reduction()
+
+    def body(params, batch_BxT):
+        with shd.use_rules(ctx.inner_rules()):
+            return red.mean(run.local_loss(params, batch_BxT[:, :-1], batch_BxT[:, 1:]))
+
+    fn = jax.shard_map(
+        body,
+        in_specs=(outer.param_specs(ndims, lead), P(red.axes, None)),
+        out_specs=P(),
+        axis_names=set(ctx.manual_axes),
+        check_vma=False,  # as in loss_and_grads
+    )
+    return fn(run.arrange(params), batch_BxT)
+
+
 def loss_and_grads(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> tuple[jax.Array, Any]:
     """Mean loss and mean gradients over the global batch, reduced as the ZeRO stage says.
 

@@ -99,11 +99,13 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
                 _warn_data_changes(meta, cfg)
                 # Read straight into this run's shardings, whatever layout wrote the checkpoint.
                 state, meta = ckpt.restore(resume_step, abstract)
+                state = trainer.reorder_layers(state, "rest")  # checkpoints: canonical order
                 start = int(meta.get("data_position", resume_step))
             else:
                 state = trainer.init_state(t.seed)
                 if t.init_from_hf:
-                    state["params"] = hf.load(t.init_from_hf, cfg.model, trainer.param_shardings)
+                    params = hf.load(t.init_from_hf, cfg.model, trainer.param_shardings)
+                    state["params"] = trainer.reorder_layers(params, "rest")
             div = Divergence(t.max_skipped_steps, t.divergence_factor, meta.get("first_loss"),
                              int(meta.get("diverged_steps", 0)))  # fmt: skip
             out = _train(
@@ -245,9 +247,11 @@ def _train(
             # rotate its healthy checkpoints out. The final and the preemption checkpoint are
             # written (they keep the data position).
             force = done == t.steps or stop_now
-            if ckpt is not None and (force or not why):
+            if ckpt is not None and (force or not why) and ckpt.due(done, force):
+                # Checkpoints hold canonical layer order, whatever the layout's placement.
+                canonical = trainer.reorder_layers(state, "canonical")
                 if ckpt.save(
-                    done, state, _meta(cfg, done, div, batches.corpus.tokenizer), force=force
+                    done, canonical, _meta(cfg, done, div, batches.corpus.tokenizer), force=force
                 ):
                     saved_at = done
             if stop_now:
@@ -258,7 +262,7 @@ def _train(
         if t.export_hf:
             from jaxpar.model import hf
 
-            hf.export(state["params"], cfg.model, t.export_hf)
+            hf.export(trainer.reorder_layers(state["params"], "canonical"), cfg.model, t.export_hf)
     finally:  # also on an error (e.g. a failed save): flush metrics, release files
         progress.close()
         profiler.close()

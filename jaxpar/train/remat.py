@@ -69,10 +69,11 @@ class Remat:
 
 
 # Data movement, which a policy may recompute for free: a weight reaches its matmul only
-# through these (gather, cast, reshape, kv repeat, fused-column concatenation, transpose).
+# through these (gather, cast, reshape, kv repeat, fused-column concatenation, transpose; the
+# pipeline's zero-bubble split stops the gradient of each weight operand).
 _MOVES = frozenset({
     "all_gather", "reshape", "concatenate", "broadcast_in_dim", "transpose", "squeeze",
-    "expand_dims", "sharding_constraint", "copy", "copy_p",
+    "expand_dims", "sharding_constraint", "copy", "copy_p", "stop_gradient",
 })  # fmt: skip
 
 

@@ -19,7 +19,8 @@ from jaxpar import sharding as shd
 from jaxpar.config import RunConfig, TrainConfig
 from jaxpar.errors import ConfigError
 from jaxpar.model import Model
-from jaxpar.train.grads import GradContext, loss_and_grads, microbatch_split
+from jaxpar.pipeline.grads import layer_order, to_canonical, to_rest
+from jaxpar.train.grads import GradContext, loss_and_grads, mean_loss, microbatch_split
 from jaxpar.train.guard import inject_nonfinite
 from jaxpar.train.reduce import DPReduction
 
@@ -108,6 +109,9 @@ class Trainer:
             abstract=self.abstract_params,
             compute_dtype=self.compute_dtype,
         )
+        # Pipelines keep the layer stack in their placement order (jaxpar.pipeline.grads);
+        # checkpoints, Hugging Face weights and inference see canonical order.
+        self.layer_order = layer_order(lay, cfg.model.n_layers)
         self.tx = make_optimizer(cfg.train, self.logical)
         opt_abstract = jax.eval_shape(self.tx.init, self.abstract_params)
         self.opt_specs = shd.match_param_tree(opt_abstract, self.moment_specs)
@@ -158,12 +162,13 @@ class Trainer:
 
     def _init_fn(self, key: jax.Array) -> State:
         params = jax.tree.map(lambda x: x.astype(self.param_dtype), self.model.init(key))
+        params = to_rest(params, self.layer_order)
         return {"params": params, "opt": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    def loss_fn(self, params, tokens_BxS, targets_BxS) -> jax.Array:
-        """Mean loss of one batch with params at rest, no gradient (evaluation); GSPMD places
-        any gather the layout needs."""
-        return self.model.loss(params, tokens_BxS, targets_BxS, self.compute_dtype)
+    def loss_fn(self, params, batch_BxT) -> jax.Array:
+        """Mean loss of one batch with params at rest, no gradient (evaluation): with a
+        pipeline its forward-only schedule (:func:`jaxpar.train.grads.mean_loss`)."""
+        return mean_loss(self.grad_ctx, params, batch_BxT)
 
     def grads_fn(self, params, batch_BxT) -> tuple[jax.Array, Any]:
         """Mean loss and gradients over the batch (:func:`jaxpar.train.grads.loss_and_grads`:
@@ -204,7 +209,7 @@ class Trainer:
         return new_state, metrics
 
     def _eval_fn(self, params, batch_BxT) -> jax.Array:
-        return self.loss_fn(params, batch_BxT[:, :-1], batch_BxT[:, 1:])
+        return self.loss_fn(params, batch_BxT)
 
     # ---- public, run under the mesh and the rules -------------------------------------------
 
@@ -215,6 +220,20 @@ class Trainer:
         stack.enter_context(jax.set_mesh(self.mesh))
         stack.enter_context(shd.use_rules(self.rules))
         return stack
+
+    def reorder_layers(self, tree: Any, to: str) -> Any:
+        """A state or params tree with its layer stacks in ``to`` order: ``"canonical"`` (what
+        checkpoints, Hugging Face weights and inference hold) or ``"rest"`` (this layout's
+        placement order). The identity unless the layout's placement permutes layers."""
+        if self.layer_order is None:
+            return tree
+        fn = {"canonical": to_canonical, "rest": to_rest}[to]
+        shardings = jax.tree.map(lambda x: x.sharding, tree)
+        on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+        with self._ctx():
+            moved = jax.device_put(tree, on_device)  # offloaded trees come back for the take
+            out = jax.jit(lambda t: fn(t, self.layer_order), out_shardings=on_device)(moved)
+            return jax.device_put(out, shardings)
 
     def init_state(self, seed: int) -> State:
         """Fresh state, created directly in its shardings (identical values on any layout)."""

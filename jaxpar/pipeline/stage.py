@@ -1,0 +1,176 @@
+"""What one virtual stage computes in each pipeline action, and what it keeps in between.
+
+The executor runs a stage's forward in one tick and its backward (``B``, or ``I`` then ``W``)
+in a later one. Between the two, what the backward needs lives in fixed slot buffers
+(:mod:`jaxpar.pipeline.tables`): one buffer per leaf with a leading ``[slots]`` axis. A
+:class:`Stage` says which leaves those are, probed once per trace:
+
+* **residual mode** (``remat`` none/selective): the leaves of ``jax.vjp(stage, params, x)``'s
+  pullback — a pytree holding the residuals (stacked over the chunk's layer scan) *and* the
+  primal parameters, which are recognised by identity and left out, so a slot holds
+  activations only; the backward puts the chunk's current parameters back. Each layer runs
+  under a checkpoint policy that never keeps a weight (:mod:`jaxpar.train.remat`), so the
+  stash holds no copy of cast or fused weights either.
+* **recompute mode** (``remat full``): the slot holds the stage input; every backward piece
+  re-runs the forward under ``jax.vjp``.
+
+Split backward (zero-bubble schedules, :mod:`jaxpar.pipeline.split`): the forward also keeps
+each weight matmul's activation operand (the *taps*, a buffer of their own); ``I`` returns the
+input cotangent and files each weight matmul's output cotangent (``dys``) for ``W``, which is
+then the weight matmuls alone. A full ``B`` of such a schedule is ``I`` followed by ``W``.
+Under recompute ``I`` re-runs the forward and files the taps with the ``dys``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.pipeline.split import LayerFn, SplitLayer
+
+Leaves = list[jax.Array]
+
+
+def _shapes(leaves: Leaves) -> tuple[jax.ShapeDtypeStruct, ...]:
+    return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves)
+
+
+def _first(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+@dataclass(frozen=True)
+class StagePieces:
+    """How the layout computes one layer of a stage."""
+
+    layer: LayerFn  # (layer params, x) -> y, the layout's hooks applied (ZeRO-3 gather)
+    policy: Any  # jax.checkpoint policy of a layer (never keeps weights); None: no checkpoint
+    recompute: bool  # stash the stage input only; the backward re-runs the forward
+    split: bool  # zero-bubble: I and W; the forward keeps the weight matmuls' taps
+
+
+class Stage:
+    """The actions of one virtual stage (a chunk of ``Lc`` stacked layers); see the module
+    docstring. Built once per trace from a chunk's params and an input of the message shape."""
+
+    def __init__(self, pieces: StagePieces, chunk: Any, x: jax.Array):
+        self.p = pieces
+        self.n_layers = jax.tree.leaves(chunk)[0].shape[0]
+        self.split = SplitLayer(pieces.layer, _first(chunk), x) if pieces.split else None
+        self.stash_shapes: tuple[jax.ShapeDtypeStruct, ...] = (
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+        )
+        self.taps_shapes: tuple[jax.ShapeDtypeStruct, ...] = ()
+        self.wpend_shapes: tuple[jax.ShapeDtypeStruct, ...] = ()
+        self._treedef, self._param_pos = None, ()
+        if self.split:
+            lc = self.n_layers
+            stack = lambda ss: tuple(  # noqa: E731
+                jax.ShapeDtypeStruct((lc, *s.shape), s.dtype) for s in ss
+            )
+            taps, dys = stack(self.split.tap_shapes), stack(self.split.probe_shapes)
+            self.wpend_shapes = dys + (taps if pieces.recompute else ())
+            self.taps_shapes = () if pieces.recompute else taps
+        if not pieces.recompute:
+            shapes = jax.eval_shape(lambda c, x: self._residual_leaves(c, x), chunk, x)
+            self.stash_shapes = _shapes(shapes)
+
+    # ---- the stage function ------------------------------------------------------------------
+
+    def _layer(self, fn: Callable) -> Callable:
+        if self.p.policy is None:
+            return fn
+        return jax.checkpoint(fn, prevent_cse=False, policy=self.p.policy)
+
+    def apply(self, chunk: Any, x: jax.Array) -> jax.Array:
+        """The stage: its layers in a ``lax.scan``."""
+        layer = self._layer(self.p.layer)
+        y, _ = jax.lax.scan(lambda h, lp: (layer(lp, h), None), x, chunk)
+        return y
+
+    def probed(self, chunk: Any, x: jax.Array, probes: Leaves) -> tuple[jax.Array, Leaves]:
+        """The stage with each weight dot probed (split mode): output and stacked taps."""
+        layer = self._layer(self.split.forward)
+
+        def body(h, xs):
+            lp, pr = xs
+            return layer(lp, h, pr)
+
+        return jax.lax.scan(body, x, (chunk, probes))
+
+    def _probes(self) -> Leaves:
+        return [jnp.zeros((self.n_layers, *s.shape), s.dtype) for s in self.split.probe_shapes]
+
+    def _vjp(self, chunk: Any, x: jax.Array):
+        """``(y, pullback, taps)``; the pullback maps ``g`` to ``(d chunk, dx[, dys])``."""
+        if self.split is None:
+            y, pb = jax.vjp(self.apply, chunk, x)
+            return y, pb, []
+        return jax.vjp(self.probed, chunk, x, self._probes(), has_aux=True)
+
+    # ---- what the forward leaves behind ------------------------------------------------------
+
+    def _residual_leaves(self, chunk: Any, x: jax.Array) -> Leaves:
+        y, pb, _ = self._vjp(chunk, x)
+        leaves, treedef = jax.tree_util.tree_flatten(pb)
+        plist = jax.tree.leaves(chunk)
+        pos = tuple(next((i for i, q in enumerate(plist) if q is leaf), -1) for leaf in leaves)
+        if self._treedef is None:
+            self._treedef, self._param_pos = treedef, pos
+        elif pos != self._param_pos:
+            raise RuntimeError("stage VJP structure changed between traces")
+        return [leaf for leaf, i in zip(leaves, pos, strict=True) if i < 0]
+
+    def forward(self, chunk: Any, x: jax.Array) -> tuple[jax.Array, Leaves, Leaves]:
+        """``F``: the stage output, the stash leaves and the taps (split, residual mode)."""
+        if self.p.recompute:
+            y = self.probed(chunk, x, self._probes())[0] if self.split else self.apply(chunk, x)
+            return y, [x], []
+        y, pb, taps = self._vjp(chunk, x)
+        leaves = jax.tree.leaves(pb)
+        if len(leaves) != len(self._param_pos):
+            raise RuntimeError("stage VJP structure changed between traces")
+        stash = [leaf for leaf, i in zip(leaves, self._param_pos, strict=True) if i < 0]
+        return y, stash, list(taps)
+
+    def _pullback(self, chunk: Any, stash: Leaves):
+        """``(pullback, taps)`` from the stash and the current parameters."""
+        if self.p.recompute:
+            _, pb, taps = self._vjp(chunk, stash[0])
+            return pb, list(taps)
+        plist, it = jax.tree.leaves(chunk), iter(stash)
+        leaves = [plist[i] if i >= 0 else next(it) for i in self._param_pos]
+        return jax.tree_util.tree_unflatten(self._treedef, leaves), []
+
+    # ---- the backward pieces -----------------------------------------------------------------
+
+    def backward(self, chunk: Any, stash: Leaves, taps: Leaves, g: jax.Array):
+        """``B``: ``(d chunk, dx)``; with a split backward, ``I`` then ``W``."""
+        if self.split is None:
+            pb, _ = self._pullback(chunk, stash)
+            return pb(g)
+        d_small, dx, wpend = self.input_grads(chunk, stash, g)
+        d_dots = self.weight_grads(chunk, taps, wpend)
+        return jax.tree.map(jnp.add, d_small, d_dots), dx
+
+    def input_grads(self, chunk: Any, stash: Leaves, g: jax.Array):
+        """``I``: ``(d chunk through no weight dot, dx, what W needs)``."""
+        pb, taps = self._pullback(chunk, stash)
+        d_small, dx, dys = pb(g)
+        return d_small, dx, list(dys) + taps
+
+    def weight_grads(self, chunk: Any, taps: Leaves, wpend: Leaves) -> Any:
+        """``W``: the weight dots' gradients from the taps and the dys ``I`` filed."""
+        n = len(self.split.dots)
+        dys, taps = wpend[:n], (wpend[n:] if self.p.recompute else taps)
+
+        def body(_, xs):
+            lp, tp, dy = xs
+            return None, self.split.weight_grads(lp, list(tp), list(dy))
+
+        _, d = jax.lax.scan(body, None, (chunk, taps, dys))
+        return d
