@@ -65,7 +65,9 @@ def test_param_counts_follow_the_trainers_shardings(make_cfg):
     assert full == C.load_model("llama2-7b").param_count() == pytest.approx(6.74e9, rel=2e-3)
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(mlp="gelu", n_kv_heads=4)])
+@pytest.mark.parametrize(
+    "variant", [dict(attention="blockwise"), dict(attention="dense", mlp="gelu", n_kv_heads=4)]
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_block_residuals_are_what_autodiff_saves(variant, dtype):
     """The activation formulas count exactly the residuals JAX keeps for jaxpar's block."""
@@ -93,7 +95,7 @@ def test_block_residuals_are_what_autodiff_saves(variant, dtype):
                     if a.ndim > 1 and "argument" not in str(why)
                     and not (WEIGHT in str(why) and a.shape in param_shapes)
                     or a.shape == x.shape)  # fmt: skip
-        res = block_residuals(model, lay, s, "dense", remat)
+        res = block_residuals(model, lay, s, model.attention, remat)
         formula = res.bytes(b * s, dt.itemsize)
         # the rope tables and norm scales (per layer, a few hundred bytes) are not counted
         assert formula == pytest.approx(saved, rel=0.02, abs=2048), (remat, variant, dtype)

@@ -17,9 +17,10 @@ length. Under Megatron-SP the residual stream (block input, norms) is split over
   (bf16) the probabilities' cast, and two fp32 s×s tensors (exp, probabilities) per head;
   ``blockwise``: q, k, v, o and an fp32 log-sum-exp per head. The fused QKV and gate/up
   weights are residuals too (per layer): with ZeRO-3 under GSPMD they are the gathered ones.
-* ``selective`` (``checkpoint_dots``): the matmul outputs — fused QKV, the scores (dense) or
-  the kernel's residuals (blockwise), the attention context, the row-parallel projection's
-  partial sum (not split over tp), gate/up — and the block input.
+* ``selective`` (``checkpoint_dots``): the matmul outputs — fused QKV, the scores and the
+  attention context (dense; the blockwise kernel is a custom_vjp without a dot of its own, so
+  its forward runs again in the backward), the row-parallel projection's partial sum (not split
+  over tp), gate/up — and the block input.
 * ``full``: the block input only.
 * ``offload``: the matmul outputs go to host memory; nothing stays on the device.
 """
@@ -90,10 +91,14 @@ def block_residuals(
     if remat == "selective":
         # fused QKV out, kernel, context, row-parallel partial sum (full d), gate/up (or up)
         qkv = q + 2 * kv
-        core = (scores + (lay.sp - 1) * q if ring else kernel_c) if attention == "dense" else 0.0
-        fp = 0.0 if attention == "dense" else kernel_f
-        c = stream + qkv + core + q + model.d_model + (2 if swiglu else 1) * f
-        return Residuals(c, fp, 0.0)
+        # the blockwise kernel is a custom_vjp with no dot of its own: the policy keeps none of
+        # its residuals nor its output (the backward re-runs its forward)
+        if attention == "dense":
+            core = (scores + (lay.sp - 1) * q if ring else kernel_c) + q
+        else:
+            core = 0.0
+        c = stream + qkv + core + model.d_model + (2 if swiglu else 1) * f
+        return Residuals(c, 0.0, 0.0)
     if remat != "none":
         raise ValueError(f"layout.remat={remat!r}: must be none, selective, full or offload")
     norms_f = 4 * stream + 4 * (stream / model.d_model)  # x·rsqrt and output, 2 stats, ×2

@@ -66,6 +66,7 @@ class LayerTime:
     sp_fwd: float
     sp_bwd: float
     efficiency: float
+    recompute: float = 0.0  # forward work the backward re-runs (remat full: all of it)
 
 
 def _matmul(hw: HardwareConfig, m: float, k: float, n: float) -> tuple[float, float]:
@@ -116,6 +117,17 @@ def layer_time(
         sp_fwd=sp["forward"] / sp_bw,
         sp_bwd=(sp["backward"] - (sp["forward"] if lay.remat == "full" else 0)) / sp_bw,
         efficiency=eff,
+        # selective remat keeps matmul outputs only: the blockwise kernel's forward (a
+        # custom_vjp, no dot of its own) runs again in the backward; full re-runs everything
+        recompute=(
+            sum(secs) + attn + elementwise
+            if lay.remat == "full"
+            else attn
+            if lay.remat == "selective"
+            and ex.attention == "blockwise"
+            and ex.selective_reruns_kernel
+            else 0.0
+        ),
     )
 
 
@@ -139,7 +151,7 @@ def action_costs(
         return ActionCosts(b=2.0 + r, i=i, w=executor.w_cost)
     f = lt.compute + lt.tp_fwd + lt.sp_fwd
     bwd_comm = lt.tp_bwd + lt.sp_bwd
-    recompute = f if full else 0.0
+    recompute = f if full else lt.recompute
     b = 2 * lt.compute + bwd_comm + recompute
     i = executor.i_cost * lt.compute + bwd_comm + (recompute if executor.recompute_in_i else 0)
     return ActionCosts(b=b / f, i=i / f, w=executor.w_cost * lt.compute / f)
@@ -165,7 +177,7 @@ def step_cost(
     pf = None
     flags: list[str] = []
     compute = m * (layers * 3 * lt.compute + head)
-    recompute = m * layers * lt.compute if full else 0.0
+    recompute = m * layers * lt.recompute
     tp_comm = m * layers * (lt.tp_fwd + lt.tp_bwd + (lt.tp_fwd if full else 0.0))
     sp_comm = m * layers * (lt.sp_fwd + lt.sp_bwd + (lt.sp_fwd if full else 0.0))
     busy = compute + recompute + tp_comm + sp_comm

@@ -42,6 +42,9 @@ class Executor:
       passes it through (jax-ml/jax#38145). jaxpar's branches touch only their own slots and
       its slot writes are ordered after the reads: 0 (the HLO's copy bytes per tick,
       ``scripts/bench_pipeline.py``).
+    * ``selective_reruns_kernel``: under selective remat the backward re-runs a blockwise
+      attention kernel's forward (jaxpar: the kernel is a custom_vjp with no dot of its own, so
+      ``checkpoint_dots`` keeps none of it).
     * ``tick_stashes``: stash-sized residual sets a tick holds beyond the schedule's peak (the
       backward's slot read out of the buffer and its working set); calibrated on one pipeline
       layout (BENCHMARKS.md).
@@ -60,6 +63,7 @@ class Executor:
     overlap_dp: float = 0.8
     carry_copies: float = 0.0
     tick_stashes: float = 1.0
+    selective_reruns_kernel: bool = False
 
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""
@@ -71,7 +75,7 @@ class Executor:
 # ticks. W costs one forward once the pipeline keeps each weight matmul's own cotangent; XLA's
 # async collectives with the latency-hiding scheduler (meshes/*.yaml xla_flags) overlap the
 # data-parallel reduction with the backward, nothing overlaps the tensor-parallel all-reduces.
-JAXPAR = Executor(attention="blockwise", loss="chunked")
+JAXPAR = Executor(attention="blockwise", loss="chunked", selective_reruns_kernel=True)
 
 
 def for_model(model, executor: Executor = JAXPAR) -> Executor:
