@@ -19,6 +19,7 @@ from typing import Any
 
 from jaxpar import config as C
 from jaxpar import tokenizer as T
+from jaxpar import validation as V
 from jaxpar.errors import CheckpointError, ConfigError
 
 
@@ -145,7 +146,7 @@ def resolve(args: argparse.Namespace, layout_flags: tuple[str, ...], **layout: A
             f"--devices={cfg.mesh.devices}: fewer than the layout's pp*dp*sp*tp="
             f"{cfg.layout.n_devices}"
         )
-    C.validate(cfg)
+    V.validate(cfg)
     return Source(cfg, ck, step, hf_dir, tok, data)
 
 

@@ -33,6 +33,7 @@ simulate_cpu_devices(8)
 import jax  # noqa: E402
 
 from jaxpar import config as C  # noqa: E402
+from jaxpar import validation as V  # noqa: E402
 from jaxpar.analysis.hlo import compiled_memory  # noqa: E402
 from jaxpar.devices import make_mesh  # noqa: E402
 from jaxpar.planner import memory as M  # noqa: E402
@@ -88,7 +89,7 @@ def small_config(model_kw=None, train_kw=None, **layout) -> C.RunConfig:
 
 def compiled_total(cfg: C.RunConfig) -> int:
     """XLA's per-device total for ``cfg``'s compiled step."""
-    C.validate(cfg, n_devices=cfg.layout.n_devices)
+    V.validate(cfg, n_devices=cfg.layout.n_devices)
     mesh = make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices])
     return compiled_memory(Trainer(cfg, mesh).compile_step())["total"]
 

@@ -47,6 +47,7 @@ from pipeline_bench_common import (  # noqa: E402
 
 from jaxpar import config as C  # noqa: E402
 from jaxpar import sharding as shd  # noqa: E402
+from jaxpar import validation as V  # noqa: E402
 from jaxpar.devices import make_mesh  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.pipeline.generators import KINDS, check_arguments  # noqa: E402
@@ -97,7 +98,7 @@ def config(kind: str, v: int, m: int = M) -> C.RunConfig:
     lay.pp, lay.dp, lay.tp, lay.schedule, lay.microbatches, lay.virtual = P, 1, 1, kind, m, v
     lay.remat = "none"
     cfg.mesh.devices = lay.n_devices
-    C.validate(cfg, lay.n_devices)
+    V.validate(cfg, lay.n_devices)
     return cfg
 
 

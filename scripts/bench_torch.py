@@ -95,6 +95,7 @@ def jax_worker(shape_name: str, config: str, model_overrides: dict) -> None:
 
     jax.config.update("jax_num_cpu_devices", spec["devices"])
     from jaxpar import config as C
+    from jaxpar import validation as V
     from jaxpar.devices import make_mesh
     from jaxpar.train.step import Trainer
 
@@ -111,7 +112,7 @@ def jax_worker(shape_name: str, config: str, model_overrides: dict) -> None:
         setattr(lay, k, v)
     cfg.mesh.devices = spec["devices"]
     cfg.train.global_batch, cfg.train.seq_len = shape["batch"], shape["seq"]
-    C.validate(cfg, spec["devices"])
+    V.validate(cfg, spec["devices"])
     tr = Trainer(cfg, make_mesh(lay, jax.devices()))
     state = tr.init_state(0)
     batch = jax.device_put(_tokens(shape), tr.batch_sharding)

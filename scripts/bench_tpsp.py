@@ -44,6 +44,7 @@ def main() -> int:
     import numpy as np
 
     from jaxpar import config as C
+    from jaxpar import validation as V
     from jaxpar.analysis import theory, tpsp
     from jaxpar.data import Batches, load_corpus
     from jaxpar.report import emit_json
@@ -69,7 +70,7 @@ def main() -> int:
         elif mode in ("ulysses", "ring"):
             lay.sp, lay.sp_mode = degree, mode
         cfg.mesh.devices = lay.n_devices
-        C.validate(cfg, lay.n_devices)
+        V.validate(cfg, lay.n_devices)
         return cfg
 
     def theory_act(cfg: C.RunConfig) -> float:

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from jaxpar import config as C
+    from jaxpar import validation as V
     from jaxpar.analysis.memory import dp_comm_theory, measure, theory
 
     rows = []
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             lay = cfg.layout
             lay.dp, lay.tp, lay.pp, lay.sp, lay.zero = dp, 1, 1, 1, zero
             cfg.train.global_batch, cfg.train.seq_len = args.batch, args.seq
-            C.validate(cfg, dp)
+            V.validate(cfg, dp)
             m = measure(cfg, jax.devices()[:dp])
             th = theory(lay, cfg.model, seq=args.seq, microbatch_size=args.batch // dp)
             rows.append(

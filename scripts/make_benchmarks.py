@@ -7,7 +7,7 @@ Rewrites only the text between ``<!-- planner:begin -->`` and ``<!-- planner:end
 when absent), so other sections of BENCHMARKS.md are left as their own scripts wrote them.
 Sections: the plan for llama2-70b on a100-64 beside the mesh file's production layout and the
 rule of thumb; the llama3-405b search on h100-1024 (time, and every printed layout checked with
-``config.validate``); the planner against published runs (fitted and held-out rows, sources);
+``validation.validate``); the planner against published runs (fitted and held-out rows, sources);
 planner memory against compiled memory on simulated devices (``bench_planner_memory.py``).
 """
 
@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxpar import config as C  # noqa: E402
+from jaxpar import validation as V  # noqa: E402
 from jaxpar.planner import cost_layout, plan  # noqa: E402
 from jaxpar.planner import hardware as HW  # noqa: E402
 from jaxpar.planner import published as P  # noqa: E402
@@ -44,7 +45,7 @@ def printed_layouts(result: dict) -> list[dict]:
 
 
 def validates(model: str, mesh: str, lay: dict, shape: tuple[int, int]) -> str | None:
-    """``config.validate`` on a printed layout: None, or the refusal."""
+    """``validation.validate`` on a printed layout: None, or the refusal."""
     cfg = C.load(model, mesh)
     keep = ("dp", "tp", "pp", "sp", "zero", "virtual", "microbatches", "remat", "offload",
             "sequence_parallel", "dp_shard")  # fmt: skip
@@ -54,7 +55,7 @@ def validates(model: str, mesh: str, lay: dict, shape: tuple[int, int]) -> str |
     cfg.layout.compute_dtype = "bfloat16"
     cfg.train.global_batch, cfg.train.seq_len = shape
     try:
-        C.validate(cfg, n_devices=cfg.mesh.devices)
+        V.validate(cfg, n_devices=cfg.mesh.devices)
     except C.ConfigError as e:
         return str(e)
     return None
@@ -132,12 +133,12 @@ def plan_section(res: dict) -> list[str]:
         "",
         f"`jaxpar plan --model llama3-405b --mesh h100-1024` answered in "
         f"{res['plan_405b_s']:.2f} s ({p405['costed']} layouts costed, {p405['refused']} "
-        f"refused by `config.check_layout` before costing, {p405['evaluated']} fit); "
+        f"refused by `validation.check_layout` before costing, {p405['evaluated']} fit); "
         f"recommended: {desc(p405['layout'])}, {p405['step_time_s']:.1f} s/step, MFU "
         f"{p405['mfu']:.1%}.",
         "",
         f"Every layout both plans print ({len(res['validated'])}: recommendations, "
-        f"alternatives, baselines) passes `config.validate`: "
+        f"alternatives, baselines) passes `validation.validate`: "
         f"{'yes' if not bad else 'NO — ' + '; '.join(b['refused'] for b in bad)}.",
         "",
     ]

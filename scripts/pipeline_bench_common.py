@@ -29,6 +29,10 @@ import jax
 jax.config.update("jax_num_cpu_devices", spec["devices"])
 import jax.numpy as jnp
 from jaxpar import config as C
+try:  # the rules moved out of jaxpar.config; a "before" revision may predate that
+    from jaxpar.validation import validate
+except ImportError:
+    validate = C.validate
 from jaxpar.analysis.hlo import compiled_memory
 from jaxpar.data import Batches, load_corpus
 from jaxpar.devices import make_mesh
@@ -43,7 +47,7 @@ for job in spec["jobs"]:
     for k, v in job["layout"].items():
         setattr(cfg.layout, k, v)
     cfg.mesh.devices = cfg.layout.n_devices
-    C.validate(cfg, cfg.layout.n_devices)
+    validate(cfg, cfg.layout.n_devices)
     tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
     shape = jax.ShapeDtypeStruct((job["batch"], job["seq"] + 1), jnp.int32,
                                  sharding=tr.batch_sharding)

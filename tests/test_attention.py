@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 
-from jaxpar import config as C
+from jaxpar import validation as V
 from jaxpar.analysis.hlo import compiled_memory
 from jaxpar.data import Batches, load_corpus
 from jaxpar.devices import make_mesh
@@ -156,7 +156,7 @@ def test_loss_and_every_gradient_match_dense_reference(name):
     unroll = layout.pop("layer_unroll", 1)
     cfg = _cfg(**layout)
     cfg.model.layer_unroll = unroll
-    C.validate(cfg, cfg.layout.n_devices)
+    V.validate(cfg, cfg.layout.n_devices)
     tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
     params = jax.device_put(ref["params"], tr.param_shardings)
     batch = jax.device_put(np.asarray(ref["rows"]), tr.batch_sharding)
@@ -251,7 +251,7 @@ def test_bad_sizes_refused(field, value):
     cfg = _cfg()
     setattr(cfg.model, field, value)
     with pytest.raises(ConfigError, match=rf"model.{field}={value}: must be a positive integer"):
-        C.validate(cfg, cfg.layout.n_devices)
+        V.validate(cfg, cfg.layout.n_devices)
 
 
 def test_gpu_check_dry_mode_runs_on_cpu():

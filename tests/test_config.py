@@ -3,6 +3,7 @@
 import pytest
 
 from jaxpar import config as C
+from jaxpar import validation as V
 from jaxpar.cli import main
 from jaxpar.errors import ConfigError
 
@@ -63,7 +64,7 @@ def test_bad_values_each_name_the_field():
         cfg = C.load("tiny", "cpu-8")
         C.override(cfg, field, value)
         with pytest.raises(ConfigError) as e:
-            C.validate(cfg, 8)
+            V.validate(cfg, 8)
         assert field.split(".")[1] in str(e.value), (field, e.value)
         assert "\n" not in str(e.value)
 

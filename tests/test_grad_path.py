@@ -17,6 +17,7 @@ import pytest
 from conftest import small_config
 
 from jaxpar import config as C
+from jaxpar import validation as V
 from jaxpar.analysis.memory import dp_comm_theory, measure
 from jaxpar.data import Batches, load_corpus
 from jaxpar.devices import make_mesh
@@ -39,7 +40,7 @@ CASES = {
 def cfg_of(layout: dict, zero: int, k: int) -> C.RunConfig:
     cfg = small_config(zero=zero, microbatches=k, **layout)
     cfg.train.global_batch = 16
-    C.validate(cfg, cfg.layout.n_devices)
+    V.validate(cfg, cfg.layout.n_devices)
     return cfg
 
 
@@ -118,5 +119,5 @@ def test_remat_none_under_zero3_keeps_no_weight():
 )
 def test_unsupported_combinations_refused_in_one_line(layout, match):
     with pytest.raises(ConfigError, match=match) as e:
-        C.validate(small_config(**layout), None)
+        V.validate(small_config(**layout), None)
     assert "\n" not in str(e.value)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import config as C
+from jaxpar import validation as V
 from jaxpar.analysis.hlo import collective_bytes, copy_bytes
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.data import Batches, load_corpus
@@ -42,7 +42,7 @@ def tiny(make_cfg, **layout):
 
 
 def trainer_of(cfg) -> Trainer:
-    C.validate(cfg, cfg.layout.n_devices)
+    V.validate(cfg, cfg.layout.n_devices)
     return Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
 
 
@@ -217,5 +217,5 @@ def test_pipeline_evaluation_runs_forward_only(make_cfg):
 def test_bad_pipeline_layouts(make_cfg, layout, needle):
     cfg = tiny(make_cfg, **layout)
     with pytest.raises(ConfigError) as e:
-        C.validate(cfg, cfg.layout.n_devices)
+        V.validate(cfg, cfg.layout.n_devices)
     assert needle in str(e.value) and "\n" not in str(e.value)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpar import config as C
+from jaxpar import validation as V
 from jaxpar.analysis.hlo import compiled_memory
 from jaxpar.cli import main
 from jaxpar.devices import make_mesh
@@ -215,14 +216,14 @@ def test_recommendations_validate_and_compile(make_cfg):
             schedule=lay["schedule"] or "1f1b",
             sp_mode=lay["sp_mode"] or "ulysses",
         )
-        C.validate(run, n_devices=8)
+        V.validate(run, n_devices=8)
         measured = _compiled_total(run)
         assert abs(s["memory_per_device_bytes"] / measured - 1) < 0.10, (lay, measured)
 
 
 def test_search_draws_through_the_trainers_predicate(monkeypatch):
     """A rule added to config.check_layout reaches the search without a planner change."""
-    real, calls = C.check_layout, []
+    real, calls = V.check_layout, []
 
     def no_fsdp(model, lay, *a, **kw):
         calls.append(lay)
@@ -364,7 +365,7 @@ def test_search_candidates_are_runnable():
     shape = M.Shape(32, 4096)
     n = 0
     for c in S.candidates(model, hw, 8, shape):
-        C.check_layout(model, c.layout, shape.global_batch, shape.seq, 8)
+        V.check_layout(model, c.layout, shape.global_batch, shape.seq, 8)
         n += 1
     assert n > 10
 

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import config as C
 from jaxpar import sharding as shd
+from jaxpar import validation as V
 from jaxpar.analysis import tpsp
 from jaxpar.data import Batches, load_corpus
 from jaxpar.model import Model
@@ -49,7 +50,7 @@ def measured(name: str) -> dict:
     tests/test_train.py; this saves a compile per layout)."""
     if name not in _CACHE:
         cfg = small_config(**LAYOUTS[name]) if name != "ref" else small_config()
-        C.validate(cfg, cfg.layout.n_devices)
+        V.validate(cfg, cfg.layout.n_devices)
         got = tpsp.measure(cfg, jax.devices()[: cfg.layout.n_devices])
         tr = got["trainer"]
         if name == "ref":
@@ -220,11 +221,11 @@ def test_bad_layouts_are_refused_in_one_line(layout, seq, match):
     cfg = small_config(**layout)
     cfg.train.seq_len = seq
     with pytest.raises(C.ConfigError, match=match) as e:
-        C.validate(cfg, cfg.layout.n_devices)
+        V.validate(cfg, cfg.layout.n_devices)
     assert "\n" not in str(e.value)
 
 
 def test_ring_with_sp8_and_few_heads_is_accepted():
     """Ring attention needs no head divisibility: the answer where Ulysses refuses."""
     cfg = small_config(sp=8, sp_mode="ring")
-    C.validate(cfg, 8)
+    V.validate(cfg, 8)

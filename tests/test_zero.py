@@ -17,6 +17,7 @@ import pytest
 from conftest import small_config
 
 from jaxpar import config as C
+from jaxpar import validation as V
 from jaxpar.analysis.memory import dp_comm_theory, measure, theory
 from jaxpar.cli import main
 from jaxpar.data import Batches, load_corpus
@@ -43,7 +44,7 @@ def cfg32(**layout) -> C.RunConfig:
     """The small config with a global batch of 32, so dp 8 × 4 micro-batches divides it."""
     cfg = small_config(**layout)
     cfg.train.global_batch = 32
-    C.validate(cfg, cfg.layout.n_devices)
+    V.validate(cfg, cfg.layout.n_devices)
     return cfg
 
 
@@ -207,7 +208,7 @@ def test_stage2_accumulator_is_sharded_stage1_is_not():
 def test_bad_input_one_line(field, value, match):
     cfg = small_config(dp=8, **{field: value})
     with pytest.raises(ConfigError, match=match) as e:
-        C.validate(cfg, 8)
+        V.validate(cfg, 8)
     assert "\n" not in str(e.value)
 
 

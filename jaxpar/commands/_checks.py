@@ -4,7 +4,7 @@ Each check turns the flag's text into a value or raises ``argparse.ArgumentTypeE
 rule, so a bad flag is refused by the parser itself, in one line naming the flag, the value and
 the rule (``jaxpar memory: error: argument --dp: '0': must be a positive integer``), before
 anything is loaded or compiled. Values that also arrive through YAML files or ``-o`` overrides
-are checked again by :func:`jaxpar.config.validate`; these checks only make the flag's own
+are checked again by :func:`jaxpar.validation.validate`; these checks only make the flag's own
 error come first and name the flag.
 """
 
@@ -16,8 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-# Largest seed: jax.random.key and numpy's SeedSequence both take it (uint32 range).
-MAX_SEED = 2**32 - 1
+from jaxpar.validation import MAX_SEED
 
 
 def _int(text: str) -> int:

@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate, compile, time, report."""
-    from jaxpar import config as C
+    from jaxpar import validation as V
     from jaxpar.commands.train import build_config
     from jaxpar.devices import simulate_cpu_devices
     from jaxpar.errors import ConfigError
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         from jaxpar.commands.train import dry_run
 
         return dry_run(cfg, args, "bench")
-    C.validate(cfg, n_devices=cfg.mesh.devices)
+    V.validate(cfg, n_devices=cfg.mesh.devices)
     if cfg.mesh.hardware.platform == "cpu":
         simulate_cpu_devices(cfg.mesh.devices)
     result = bench(cfg, warmup=args.warmup, profile=args.profile)

@@ -140,11 +140,11 @@ def check_command(n: int, argv: list[str], devices_per_process: int | None) -> N
     if args.verb == "launch":
         raise ConfigError("-- launch: a launch cannot start launches")
     if args.verb in ("train", "bench"):
-        from jaxpar import config as C
+        from jaxpar import validation as V
         from jaxpar.commands.train import build_config
 
         cfg = build_config(args)
-        C.validate(cfg, n_devices=cfg.mesh.devices)
+        V.validate(cfg, n_devices=cfg.mesh.devices)
         have = n * devices_per_process if devices_per_process else cfg.mesh.devices
         if have != cfg.mesh.devices:
             raise ConfigError(

@@ -71,6 +71,7 @@ def _config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Print the theory (and measurement); bad input raises ConfigError (exit 2)."""
     from jaxpar import config as C
+    from jaxpar import validation as V
     from jaxpar.analysis.memory import dp_comm_theory, theory
 
     cfg = _config(args)
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             raise C.ConfigError(f"layout.zero={args.zero!r}: ZeRO stage must be 0, 1, 2 or 3")
         out = theory(cfg.layout, params=args.params)
     else:
-        C.validate(cfg)
+        V.validate(cfg)
         out = theory(
             cfg.layout, cfg.model, seq=cfg.train.seq_len, microbatch_size=args.microbatch_size
         )

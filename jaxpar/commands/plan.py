@@ -59,6 +59,7 @@ def _raw_hardware(mesh: str) -> dict | None:
 def run(args: argparse.Namespace) -> int:
     """Search (or cost the given layout), print the plan; exit 1 when nothing fits."""
     from jaxpar import config as C
+    from jaxpar import validation as V
     from jaxpar.planner import check_hardware, cost_layout, plan
     from jaxpar.planner.explain import render
     from jaxpar.report import emit_json
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         C.override(cfg, "train.seq_len", args.seq)
     if args.devices is not None:
         C.override(cfg, "mesh.devices", args.devices)
-    C.check_values(cfg)  # model, hardware and batch figures, before any search
+    V.check_values(cfg)  # model, hardware and batch figures, before any search
     given = [n for n in LAYOUT_FLAGS if getattr(args, n) is not None]
     if args.sequence_parallel:
         given.append("sequence_parallel")

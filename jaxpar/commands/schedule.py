@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 
 from jaxpar.commands import _checks as K
-from jaxpar.config import MAX_SCHEDULE_ACTIONS
 from jaxpar.errors import ConfigError
 from jaxpar.pipeline.schedules import KINDS, make_schedule
 from jaxpar.pipeline.timing import stats
 from jaxpar.report import emit_json
+from jaxpar.validation import MAX_SCHEDULE_ACTIONS
 
 HELP = "Show a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV) and its bubble."
 

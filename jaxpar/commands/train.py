@@ -154,11 +154,12 @@ def dry_run(cfg, args: argparse.Namespace, verb: str = "train") -> int:
     """``--dry-run``: everything that can be checked without JAX, then the layout and the
     planner's memory estimate; exit 0. Nothing is compiled, no device is set up."""
     from jaxpar import config as C
+    from jaxpar import validation as V
     from jaxpar.distributed import process_config
     from jaxpar.report import emit_json, human_bytes
     from jaxpar.train import load_data
 
-    C.validate(cfg, n_devices=cfg.mesh.devices)
+    V.validate(cfg, n_devices=cfg.mesh.devices)
     t = cfg.train
     if t.init_from_hf:
         from jaxpar.model.hf import check_config
@@ -217,14 +218,14 @@ def dry_run(cfg, args: argparse.Namespace, verb: str = "train") -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Validate, set up devices, train, report (or only validate: ``--dry-run``)."""
-    from jaxpar import config as C
+    from jaxpar import validation as V
     from jaxpar.distributed import setup
     from jaxpar.report import emit_json
 
     cfg = build_config(args)
     if args.dry_run:
         return dry_run(cfg, args)
-    C.validate(cfg, n_devices=cfg.mesh.devices)
+    V.validate(cfg, n_devices=cfg.mesh.devices)
     pc = setup(
         cfg.mesh.hardware, cfg.mesh.devices, args.coordinator, args.num_processes, args.process_id
     )

@@ -9,7 +9,7 @@ attention kernel), :mod:`~jaxpar.planner.memory` (per-device bytes),
 adapter to the schedule library), :mod:`~jaxpar.planner.hardware` (matmul efficiency, links,
 NICs), :mod:`~jaxpar.planner.cost` (step time), :mod:`~jaxpar.planner.executor` (what the
 program does). Around it: :mod:`~jaxpar.planner.search` (candidates through
-``config.check_layout``), :mod:`~jaxpar.planner.explain` (JSON and text),
+``validation.check_layout``), :mod:`~jaxpar.planner.explain` (JSON and text),
 :mod:`~jaxpar.planner.plan` (``plan`` and ``cost_layout``), :mod:`~jaxpar.planner.published`
 (large runs, fit and held out), :mod:`~jaxpar.planner.calibrate` (``bench --calibrate``).
 """

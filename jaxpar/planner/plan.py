@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from jaxpar import config as C
+from jaxpar import validation as V
 from jaxpar.errors import ConfigError
 from jaxpar.planner import explain as X
 from jaxpar.planner import memory as M
@@ -58,8 +59,8 @@ def _check_curve(name: str, curve) -> None:
 
 
 def check_layout(cfg: C.RunConfig) -> None:
-    """Refuse a layout that cannot run (``config.validate``: the trainer's own rules)."""
-    C.validate(cfg, n_devices=cfg.mesh.devices)
+    """Refuse a layout that cannot run (``validation.validate``: the trainer's own rules)."""
+    V.validate(cfg, n_devices=cfg.mesh.devices)
 
 
 def _finish(c: S.Candidate, cfg: C.RunConfig, shape: M.Shape) -> dict:

@@ -1,7 +1,7 @@
 """Enumerate runnable layouts on a cluster, cost them, keep those that fit, rank by step time.
 
-Every candidate is drawn through :func:`jaxpar.config.check_layout`, the predicate
-``jaxpar.config.validate`` applies before anything compiles, so the planner proposes only
+Every candidate is drawn through :func:`jaxpar.validation.check_layout`, the predicate
+``jaxpar.validation.validate`` applies before anything compiles, so the planner proposes only
 layouts the trainer accepts (and, when the trainer learns a new combination, proposes it).
 
 The space: tp (powers of two dividing the head count, up to two nodes), sp (Ulysses or ring),
@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from jaxpar import config as C
+from jaxpar import validation as V
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.errors import ConfigError
 from jaxpar.planner import memory as M
@@ -109,9 +109,9 @@ def evaluate(
 
 
 def runnable(model: ModelConfig, lay: LayoutConfig, shape: M.Shape, n: int) -> bool:
-    """Whether the trainer accepts ``lay`` (``config.check_layout``)."""
+    """Whether the trainer accepts ``lay`` (``validation.check_layout``)."""
     try:
-        C.check_layout(model, lay, shape.global_batch, shape.seq, n)
+        V.check_layout(model, lay, shape.global_batch, shape.seq, n)
     except ConfigError:
         return False
     return True
@@ -260,7 +260,7 @@ def baseline_layout(
 
 def _refusal(model: ModelConfig, lay: LayoutConfig, shape: M.Shape, n: int) -> str:
     try:
-        C.check_layout(model, lay, shape.global_batch, shape.seq, n)
+        V.check_layout(model, lay, shape.global_batch, shape.seq, n)
     except ConfigError as e:
         return str(e)
     return ""

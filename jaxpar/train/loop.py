@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxpar import config as C
+from jaxpar import validation as V
 from jaxpar.checkpoint import Checkpointer, CheckpointWarning, check_model_matches
 from jaxpar.data import Batches
 from jaxpar.devices import make_mesh
@@ -67,7 +68,7 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
     blown-up step is skipped or stops the run per ``train.on_nonfinite`` and the divergence
     budget ``train.max_skipped_steps``.
     """
-    C.validate(cfg, n_devices=len(devices) if devices is not None else cfg.mesh.devices)
+    V.validate(cfg, n_devices=len(devices) if devices is not None else cfg.mesh.devices)
     t = cfg.train
     batches = Batches(load_data(cfg), t.global_batch, t.seq_len, t.seed)
     profiler = StepProfiler.from_config(t)

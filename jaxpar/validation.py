@@ -1,0 +1,308 @@
+"""The rules a run configuration must meet, checked before JAX compiles anything.
+
+:func:`validate` is the one entry point a run goes through: :func:`check_values` (types and
+per-field rules of the model, hardware and training settings) and :func:`check_layout` (the
+layout against the model, the batch and the device count: divisibility, heads, schedule
+arguments, combinations the executor refuses). Every refusal is one :class:`ConfigError` line
+naming the field, its value and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from jaxpar import typed
+from jaxpar.config import (
+    ATTENTION,
+    AXES,
+    DTYPES,
+    OFFLOAD,
+    ON_NONFINITE,
+    PLATFORMS,
+    REMAT,
+    SCHEDULES,
+    SP_MODES,
+    TOKEN_DTYPES,
+    LayoutConfig,
+    MeshConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    nested_type,
+)  # fmt: skip
+from jaxpar.errors import ConfigError
+
+# Largest value of a count (exact in float64 and far beyond any run), and tighter bounds where
+# jaxpar or the planner enumerates a range of that size.
+MAX_COUNT = 2**40
+MAX_OF = {"mesh.devices": 2**20, "train.global_batch": 2**24, "train.seq_len": 2**24,
+          "model.max_seq_len": 2**24}  # fmt: skip
+MAX_SCHEDULE_ACTIONS = 2**18  # a pipeline schedule table of more takes minutes to build
+MAX_SEED = 2**32 - 1  # jax.random.key and numpy's SeedSequence both take uint32 seeds
+
+
+def _positive(where: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{where}={value!r}: must be a positive integer")
+    if value > MAX_OF.get(where, MAX_COUNT):
+        raise ConfigError(f"{where}={value}: must be at most {MAX_OF.get(where, MAX_COUNT)}")
+
+
+def _at_least_0(where: str, value: Any, note: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value > MAX_COUNT:
+        raise ConfigError(f"{where}={value!r}: must be an integer in 0..{MAX_COUNT}{note}")
+
+
+def _number(where: str, value: Any, lo: float, hi: float = math.inf, lo_open=True, hi_open=True):
+    """A finite number in the interval (open or closed at each end)."""
+    ok = typed.finite(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    if not ok:
+        left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+        rule = (
+            "a positive finite number"
+            if (lo, lo_open, hi) == (0, True, math.inf)
+            else (f"a finite number in {left}{lo:g}, {hi:g}{right}")
+        )
+        raise ConfigError(f"{where}={value!r}: must be {rule}")
+
+
+def _one_of(where: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{where}={value!r}: must be one of {', '.join(allowed)}")
+
+
+def _path(where: str, value: Any) -> None:
+    if value is not None and (not value or "\0" in value):
+        raise ConfigError(f"{where}={value!r}: must be a non-empty path")
+
+
+def check_types(obj: Any, where: str) -> None:
+    """Every field of the config dataclass ``obj`` (recursively) holds its declared type; an
+    int in a float field is widened in place."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        sub = nested_type(f)
+        if sub is not None:
+            if not isinstance(value, sub):
+                raise ConfigError(f"{where}.{f.name}: expected a mapping of {sub.__name__} fields")
+            check_types(value, f"{where}.{f.name}")
+        else:
+            setattr(obj, f.name, typed.check(f"{where}.{f.name}", value, f))
+
+
+def check_values(cfg: RunConfig) -> None:
+    """Types and per-field rules of the model, the hardware and the training settings (not
+    the layout: :func:`validate` checks it against the model and the device count)."""
+    for part, name in ((cfg.model, "model"), (cfg.mesh, "mesh"), (cfg.train, "train")):
+        if not dataclasses.is_dataclass(part):
+            raise ConfigError(f"{name}={part!r}: expected a mapping of fields")
+        check_types(part, name)
+    _check_model(cfg.model)
+    _check_hardware(cfg.mesh)
+    _check_train(cfg.train)
+
+
+def _check_model(m: ModelConfig) -> None:
+    if not m.name:
+        raise ConfigError("model.name='': must be a non-empty name")
+    for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
+                 "max_seq_len"):  # fmt: skip
+        _positive(f"model.{name}", getattr(m, name))
+    if m.head_dim is not None:
+        _positive("model.head_dim", m.head_dim)
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        _number(f"model.{name}", getattr(m, name), 0)
+    _one_of("model.mlp", m.mlp, ("swiglu", "gelu"))
+    _one_of("model.attention", m.attention, ATTENTION)
+    for name in ("attention_block", "loss_chunk"):
+        _positive(f"model.{name}", getattr(m, name))
+    unroll = m.layer_unroll
+    if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 0:
+        raise ConfigError(
+            f"model.layer_unroll={m.layer_unroll!r}: must be 0 (all layers unrolled) or a "
+            "positive number of layers per loop iteration"
+        )
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads}")
+    if m.head_dim is None and m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model}: must be divisible by n_heads={m.n_heads}")
+    if m.hd % 2:
+        raise ConfigError(f"model.head_dim={m.hd}: must be even for rotary embeddings")
+
+
+def _check_hardware(mesh: MeshConfig) -> None:
+    _positive("mesh.devices", mesh.devices)
+    hw = mesh.hardware
+    _one_of("hardware.platform", hw.platform, PLATFORMS)
+    for name in ("device_memory_bytes", "peak_flops_bf16", "intra_node_bw", "nic_bw", "hbm_bw",
+                 "host_to_device_bw"):  # fmt: skip
+        _number(f"hardware.{name}", getattr(hw, name), 0)
+    _positive("hardware.devices_per_node", hw.devices_per_node)
+    _positive("hardware.nics_per_node", hw.nics_per_node)
+    for flag in hw.xla_flags:
+        # XLA aborts the process on a malformed or unknown flag; refuse what cannot be one
+        if not re.fullmatch(r"--[A-Za-z0-9_]+(=\S*)?", flag):
+            raise ConfigError(f"hardware.xla_flags: {flag!r}: expected --name or --name=value")
+
+
+def _check_train(t: TrainConfig) -> None:
+    for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every",
+                 "checkpoint_every", "keep_checkpoints"):  # fmt: skip
+        _positive(f"train.{name}", getattr(t, name))
+    for name, note in (("warmup_steps", ""), ("eval_every", " (0: only at the end)"),
+                       ("inject_nonfinite_step", " (0 disables)"),
+                       ("max_skipped_steps", " (0: stop at the first)")):  # fmt: skip
+        _at_least_0(f"train.{name}", getattr(t, name), note)
+    if not 0 <= t.seed <= MAX_SEED:
+        raise ConfigError(f"train.seed={t.seed}: must be an integer in 0..{MAX_SEED}")
+    _number("train.lr", t.lr, 0)
+    _number("train.min_lr_ratio", t.min_lr_ratio, 0, 1, lo_open=False, hi_open=False)
+    _number("train.weight_decay", t.weight_decay, 0, lo_open=False)
+    for name in ("b1", "b2"):
+        _number(f"train.{name}", getattr(t, name), 0, 1, lo_open=False)
+    _number("train.grad_clip", t.grad_clip, 0)
+    if t.divergence_factor != 0:
+        _number("train.divergence_factor", t.divergence_factor, 1)
+    _one_of("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
+    _one_of("train.data_dtype", t.data_dtype, TOKEN_DTYPES)
+    for name in ("checkpoint_dir", "metrics_file", "profile_dir", "init_from_hf", "export_hf",
+                 "tensorboard_dir"):  # fmt: skip
+        _path(f"train.{name}", getattr(t, name))
+    if not t.data or "\0" in t.data:
+        raise ConfigError(f"train.data={t.data!r}: must be 'stdlib', 'synthetic' or a path")
+    from jaxpar.profiling import parse_steps
+
+    parse_steps(t.profile_steps, t.steps)
+
+
+def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
+    """Refuse a bad configuration with one line naming the field, value and rule.
+
+    ``n_devices``, when given, is the number of devices the run will use; the layout must
+    multiply to it exactly.
+    """
+    check_values(cfg)
+    m, lay, t = cfg.model, cfg.layout, cfg.train
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
+        )
+    check_layout(m, lay, t.global_batch, t.seq_len, n_devices)
+    if t.data not in ("stdlib", "synthetic") and not Path(t.data).exists():
+        raise ConfigError(
+            f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
+            "or a path to a .bin file)"
+        )
+    if t.eval_data is not None and not Path(t.eval_data).is_file():
+        raise ConfigError(f"train.eval_data={t.eval_data!r}: token file does not exist")
+
+
+def check_layout(
+    m: ModelConfig,
+    lay: LayoutConfig,
+    global_batch: int,
+    seq_len: int,
+    n_devices: int | None = None,
+) -> None:
+    """The layout rules of :func:`validate` (raises :class:`ConfigError`): axis sizes, ZeRO,
+    heads and layers against tp/sp/pp, the batch and sequence against the data and sequence
+    shards, and the schedule. The planner draws its candidates through this same predicate."""
+    _positive("train.global_batch", global_batch)
+    _positive("train.seq_len", seq_len)
+    for a in AXES:
+        _positive(f"layout.{a}", getattr(lay, a))
+    if n_devices is not None and lay.n_devices != n_devices:
+        raise ConfigError(
+            f"layout pp*dp*sp*tp={lay.pp}*{lay.dp}*{lay.sp}*{lay.tp}={lay.n_devices}: "
+            f"must equal the device count {n_devices}"
+        )
+    _positive("layout.microbatches", lay.microbatches)
+    _positive("layout.virtual", lay.virtual)
+    if lay.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"layout.zero={lay.zero!r}: ZeRO stage must be 0, 1, 2 or 3")
+    if lay.dp_shard < 0 or (lay.dp_shard and lay.dp % lay.dp_shard):
+        raise ConfigError(
+            f"layout.dp_shard={lay.dp_shard!r}: must be 0 (shard over all of dp) or divide "
+            f"layout.dp={lay.dp}"
+        )
+    _one_of("layout.schedule", lay.schedule, SCHEDULES)
+    _one_of("layout.sp_mode", lay.sp_mode, SP_MODES)
+    _one_of("layout.remat", lay.remat, REMAT)
+    _one_of("layout.offload", lay.offload, OFFLOAD)
+    for name in ("param_dtype", "compute_dtype", "reduce_dtype"):
+        _one_of(f"layout.{name}", getattr(lay, name), DTYPES)
+    if lay.tp > 1 and m.n_heads % lay.tp:
+        raise ConfigError(f"layout.tp={lay.tp}: model.n_heads={m.n_heads} must be divisible by tp")
+    if lay.tp > 1 and m.d_ff % lay.tp:
+        raise ConfigError(f"layout.tp={lay.tp}: model.d_ff={m.d_ff} must be divisible by tp")
+    _check_heads(m, lay)
+    if m.n_layers % (lay.pp * lay.virtual):
+        raise ConfigError(
+            f"model.n_layers={m.n_layers}: must be divisible by pp*virtual="
+            f"{lay.pp}*{lay.virtual}={lay.pp * lay.virtual}"
+        )
+    if global_batch % lay.dp:
+        raise ConfigError(
+            f"train.global_batch={global_batch}: must be divisible by layout.dp={lay.dp}"
+        )
+    per_dp = global_batch // lay.dp
+    if per_dp % lay.microbatches:
+        raise ConfigError(
+            f"layout.microbatches={lay.microbatches}: must divide the per-dp-rank batch "
+            f"global_batch/dp={per_dp}"
+        )
+    if seq_len % (lay.sp * lay.tp if lay.sequence_parallel else lay.sp):
+        div = lay.sp * lay.tp if lay.sequence_parallel else lay.sp
+        raise ConfigError(
+            f"train.seq_len={seq_len}: must be divisible by the sequence shards ({div})"
+        )
+    if lay.pp > 1:  # after the batch rules: micro-batches are bounded by the batch now
+        _check_pipeline(lay)
+
+
+def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
+    """Heads as tensor and sequence parallelism split them (Megatron TP, Ulysses, GQA)."""
+    ulysses = lay.sp > 1 and lay.sp_mode == "ulysses"
+    shards = lay.tp * lay.sp if ulysses else lay.tp
+    if ulysses and m.n_heads % shards:
+        raise ConfigError(
+            f"layout.sp={lay.sp}: Ulysses splits model.n_heads={m.n_heads} over tp*sp="
+            f"{lay.tp}*{lay.sp}={shards}, which must divide it (or use --sp-mode ring)"
+        )
+    # kv heads need no rule of their own: when query heads split over the shards, repeating
+    # each kv head n_heads/n_kv_heads times (i.e. MHA) splits too, and
+    # jaxpar.model.attention.kv_repeat picks the smallest repeat that does.
+
+
+@functools.lru_cache(maxsize=4096)
+def _schedule_refusal(kind: str, p: int, m: int, v: int) -> str | None:
+    """Why the schedule library refuses (kind, p, m, v), else None (memoised: the planner asks
+    for the same few hundred schedules while it searches)."""
+    from jaxpar.pipeline.schedules import make_schedule
+
+    try:
+        make_schedule(kind, p, m, v)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _check_pipeline(lay: LayoutConfig) -> None:
+    """Schedule arguments via the schedule library's own rules (``make_schedule``)."""
+    err = _schedule_refusal(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+    if err:
+        raise ConfigError(f"layout.{err} (pp={lay.pp})")
+    # Combinations the pipeline executor does not run correctly are refused, not ignored.
+    if lay.remat == "offload":
+        raise ConfigError(
+            "layout.remat='offload': not supported with pp > 1 (a stage's residuals wait for "
+            "its backward in device-memory stash slots; use full or selective)"
+        )
