@@ -32,8 +32,10 @@ fewer repeats). Parts (``--parts``, comma-separated; all by default):
   copies inside a branch count as if every branch ran every tick (an upper bound).
 * ``torch``: the same comparison in PyTorch, same model and shape
   (``bench_torch._torch_model``): ``torch.distributed.pipelining`` Schedule1F1B over 8
-  micro-batches on 2 gloo processes against one process accumulating the 8 micro-batches;
-  forward and backward only (as the jaxpar programs), interleaved bursts.
+  micro-batches on 2 gloo processes (one intra-op thread each on 2 cores) against one process
+  accumulating the 8 micro-batches with every core's thread and with one thread (a process
+  with several threads suffers most from other jobs on a shared machine); forward and
+  backward only (as the jaxpar programs), interleaved bursts, median and best step.
 
 The machine this runs on may be shared: ratios come from one run, and ``loadavg`` is recorded.
 
@@ -209,14 +211,15 @@ def tick_part(steps: int, rev: str | None) -> dict:
 # ---- PyTorch ---------------------------------------------------------------------------------
 
 
-def _torch_rank(rank: int, world: int, m: int, port: int, cmd_q, res_q) -> None:
-    """One PyTorch process: 1F1B stage ``rank`` of ``world`` (or, alone, accumulation)."""
+def _torch_rank(rank: int, world: int, m: int, threads: int, port: int, cmd_q, res_q) -> None:
+    """One PyTorch process: 1F1B stage ``rank`` of ``world`` (or, alone, accumulation), with
+    ``threads`` intra-op threads."""
     import torch
     import torch.distributed as dist
     from bench_torch import SHAPES, _loss, _tokens, _torch_model
 
     shape = SHAPES["issue"]  # jaxpar's tiny model, batch 16 × 256
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = _torch_model(shape)
     tok = torch.from_numpy(_tokens(shape)).long()
@@ -261,7 +264,7 @@ def _torch_rank(rank: int, world: int, m: int, port: int, cmd_q, res_q) -> None:
 class _TorchGroup:
     """``world`` PyTorch processes serving timed bursts (per step: the slowest rank)."""
 
-    def __init__(self, world: int, m: int):
+    def __init__(self, world: int, m: int, threads: int):
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -270,8 +273,9 @@ class _TorchGroup:
             port = s.getsockname()[1]
         self.cmd = [ctx.Queue() for _ in range(world)]
         self.res = ctx.Queue()
+        args = (world, m, threads, port)
         self.procs = [
-            ctx.Process(target=_torch_rank, args=(r, world, m, port, self.cmd[r], self.res))
+            ctx.Process(target=_torch_rank, args=(r, *args, self.cmd[r], self.res))
             for r in range(world)
         ]
         for p in self.procs:
@@ -297,11 +301,16 @@ class _TorchGroup:
 def torch_part(steps: int, rounds: int) -> dict:
     """PyTorch pipelining (2 processes, 1F1B) vs one process accumulating (module docstring)."""
     load0 = loadavg()
-    groups = {"pp2": _TorchGroup(2, TICK_M), "one": _TorchGroup(1, TICK_M)}
+    cores = os.cpu_count() or 1
+    groups = {
+        "pp2": _TorchGroup(2, TICK_M, max(1, cores // 2)),  # the cores split between the ranks
+        "one": _TorchGroup(1, TICK_M, cores),
+        "one_1thread": _TorchGroup(1, TICK_M, 1),  # as each pp rank on 2 cores (load-robust)
+    }
     times: dict[str, list[float]] = {k: [] for k in groups}
     try:
         for r in range(rounds):
-            order = list(groups) if r % 2 == 0 else list(groups)[::-1]
+            order = list(groups) if r % 2 == 0 else list(groups)[::-1]  # ABC CBA ...
             for k in order:
                 times[k] += groups[k].run(steps)
     finally:
@@ -311,8 +320,8 @@ def torch_part(steps: int, rounds: int) -> dict:
     best = {k: min(v) for k, v in times.items()}
     return {"microbatches": TICK_M, "batch": [TICK_BATCH, TICK_SEQ], "steps": len(times["pp2"]),
             "median_s": med, "best_s": best,
-            "pp2_over_one_median": round(med["pp2"] / med["one"], 3),
-            "pp2_over_one_best": round(best["pp2"] / best["one"], 3),
+            **{f"pp2_over_{k}_{s}": round(d["pp2"] / d[k], 3)
+               for k in ("one", "one_1thread") for s, d in (("median", med), ("best", best))},
             "loadavg": [load0, loadavg()]}  # fmt: skip
 
 
