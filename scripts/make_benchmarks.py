@@ -189,10 +189,12 @@ def memory_section(mem: dict) -> list[str]:
             f"| {r['layout']} | {human_bytes(r['measured_bytes'])} | "
             f"{human_bytes(r['predicted_bytes'])} | {pct(r['rel_error'])} | {tag} |"
         )
-    L += ["", "What these rows describe is the executor this branch compiles (pipeline: fused "
-          "ticks, no copy of the scan carry, `Executor.carry_copies` = 0). Rows that move "
-          "when the blockwise attention becomes the default: every row (`Executor.attention`, "
-          "`loss`).", ""]  # fmt: skip
+    L += ["", "What these rows describe is the train step as it compiles by default: the "
+          "blockwise attention kernel, the cross entropy in chunks, the pipeline's fused ticks "
+          "with no copy of the scan carry (`Executor.carry_copies` = 0). Rows outside 10% are "
+          "where the memory model is still coarse: the pipeline under `remat full` (a stage's "
+          "recompute holds its whole chunk), the zero-bubble split (the I → W stash) and ring "
+          "attention with Megatron-SP.", ""]  # fmt: skip
     return L
 
 

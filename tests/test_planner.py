@@ -222,7 +222,7 @@ def test_recommendations_validate_and_compile(make_cfg):
 
 
 def test_search_draws_through_the_trainers_predicate(monkeypatch):
-    """A rule added to config.check_layout reaches the search without a planner change."""
+    """A rule added to validation.check_layout reaches the search without a planner change."""
     real, calls = V.check_layout, []
 
     def no_fsdp(model, lay, *a, **kw):
@@ -233,7 +233,7 @@ def test_search_draws_through_the_trainers_predicate(monkeypatch):
 
     free = plan(C.load("llama2-70b", "a100-64"), top=3)
     assert free["layout"]["zero"] == 3 or free["layout"]["sp"] > 1  # what the rule will forbid
-    monkeypatch.setattr(C, "check_layout", no_fsdp)
+    monkeypatch.setattr(V, "check_layout", no_fsdp)
     out = plan(C.load("llama2-70b", "a100-64"), top=3)
     assert out["fits"] and calls and out["refused"] > 0
     for s in [out, *out["alternatives"]]:

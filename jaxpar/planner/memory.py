@@ -31,6 +31,7 @@ on.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from jaxpar.analysis.theory import DTYPE_BYTES
@@ -42,9 +43,9 @@ from jaxpar.planner.shapes import param_counts
 
 OPT_SCALAR_BYTES = 8  # optax Adam's step count and the schedule's count (int32 each)
 XLA_UPDATE = 0.0  # optimizer temporaries, share of the optimizer shard (calibrated)
-XLA_HEAD = 2.46  # fp32 logits-sized buffers alive at the loss (calibrated)
-XLA_RECOMPUTE = 0.69  # share of one un-rematerialised layer alive while recomputing (calibrated)
-XLA_BACKWARD = 0.06  # share of one layer's residuals alive as backward transients (calibrated)
+XLA_HEAD = 2.21  # fp32 logits-sized buffers alive at the loss (calibrated)
+XLA_RECOMPUTE = 0.94  # share of one un-rematerialised layer alive while recomputing (calibrated)
+XLA_BACKWARD = 0.85  # share of one layer's residuals alive as backward transients (calibrated)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ def memory(
 
     remat = lay.remat  # one meaning per setting on every layout (jaxpar.train.remat)
     res = block_residuals(model, lay, shape.seq, executor.attention, remat)
+    if lay.zero == 3:
+        # ZeRO-3's remat policies save no weight (jaxpar.train.remat): the fused QKV and
+        # gate/up matrices of the gathered weights are gathered again in the backward.
+        res = dataclasses.replace(res, weights=0.0)
     per_layer = res.bytes(tokens, wc)
     acts = per_layer * chunk * max(pipe.peak_stashes) if lay.pp > 1 else per_layer * layers
 
@@ -105,7 +110,11 @@ def memory(
     if remat == "offload":  # the matmul outputs of every layer park on the host
         host += layer_bytes("selective") * layers * pipe.peak_stashes[0]
     full_layer = layer_bytes("none")
-    if remat in ("selective", "full"):
+    if remat == "full" and lay.pp > 1:
+        # A stage's backward is one vjp of its chunk: the recomputed forward holds every layer's
+        # residuals of the chunk at once (the layer scan inside a stage), then its transients.
+        acts += (chunk + XLA_BACKWARD) * full_layer
+    elif remat in ("selective", "full"):
         acts += XLA_RECOMPUTE * full_layer
     else:
         acts += XLA_BACKWARD * full_layer
