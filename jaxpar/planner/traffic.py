@@ -9,7 +9,10 @@ device holds after tp and pp (:mod:`jaxpar.planner.shapes`), N the ZeRO group, k
   params Ψ(N−1)/N (w_p); 2 — the reduce-scatter per micro-batch (kΨ) and the all-gather; 3 —
   per micro-batch an all-gather in the forward and again in the backward (w_c) and a
   reduce-scatter of the gradients (w_r): 3kΨ, less the second gather of the embedding and head
-  tables (the embedding's backward needs no weights; the head's follows its forward). Hybrid
+  tables (the embedding's backward needs no weights; the head's follows its forward). Inside a
+  pipeline, stage 2 reduces the embedding/head gradients once after the schedule, and stage 3
+  gathers and reduces per micro-batch only the piece a stage uses (embedding on the first,
+  head on the last). Hybrid
   sharding (``dp_shard``): the same over the shard group plus an all-reduce of the shard across
   the groups once per step.
 * **tp** (Megatron, per layer and micro-batch): two all-reduces of the ``[b, s, d]`` activation
@@ -47,12 +50,23 @@ def dp_traffic(model: ModelConfig, lay: LayoutConfig) -> dict[str, Any]:
     k, r = lay.microbatches, ring(n)
     wr, wp, wc = (DTYPE_BYTES[d] for d in (lay.reduce_dtype, lay.param_dtype, lay.compute_dtype))
     saved = 0.0
+    embed = float(pc.local - pc.local_of("layers"))  # embedding, head and final norm
+    layers = psi - embed
     if lay.zero == 0:
         grads, params = 2 * psi * r * wr, 0.0
-    elif lay.zero in (1, 2):
-        grads, params = (1 if lay.zero == 1 else k) * psi * r * wr, psi * r * wp
+    elif lay.zero == 1:
+        grads, params = psi * r * wr, psi * r * wp
+    elif lay.zero == 2:
+        # Inside a pipeline the embedding/head gradients are reduced once, after the schedule.
+        per_mb = k * layers + (embed if lay.pp > 1 else k * embed)
+        grads, params = per_mb * r * wr, psi * r * wp
+    elif lay.pp > 1:
+        # Each micro-batch's embedding (first stage) or head (last stage) is gathered and its
+        # gradient reduce-scattered in that stage's branch: the larger piece per device.
+        piece = float(max(pc.local_of("embed"), pc.local_of("head")))
+        grads = (k * layers + k * piece) * r * wr
+        params = (2 * k * layers + k * piece) * r * wc
     else:
-        embed = float(pc.local - pc.local_of("layers"))
         grads, params = k * psi * r * wr, 2 * k * psi * r * wc
         saved = k * embed * r * wc
     groups = lay.dp // n
