@@ -94,6 +94,24 @@ def _quiet_closed_loops() -> None:
     sys.unraisablehook = hook
 
 
+def _quiet_orphaned_tasks() -> None:
+    """After a failed save, drop asyncio's "Task exception was never retrieved" records: the
+    save's other write tasks fail the same way after orbax has raised the first error, and
+    asyncio logs each one when it is collected (at exit, ~15 lines). The one-line
+    :class:`CheckpointError` already says what failed."""
+    log = logging.getLogger("asyncio")
+    if any(getattr(f, "jaxpar_quiet", False) for f in log.filters):
+        return
+
+    class Orphans(logging.Filter):
+        jaxpar_quiet = True
+
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith("Task exception was never retrieved")
+
+    log.addFilter(Orphans())
+
+
 def _io_reason(e: BaseException) -> str:
     """The OS-level reason inside an orbax/tensorstore error, else its first line."""
     code = re.search(r"os_error_code='(\d+)'", str(e))
@@ -275,6 +293,7 @@ class Checkpointer:
                         time.sleep(delay)
                     write_manifest(self._step_dir(step))
         except Exception as e:  # orbax and tensorstore wrap I/O errors in various types
+            _quiet_orphaned_tasks()
             self._discard(step)
             msg = _io_reason(e)
             raise CheckpointError(

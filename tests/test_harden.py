@@ -472,3 +472,26 @@ def test_sigterm_to_one_process_stops_all_at_one_step(tmp_path, make_cfg, model_
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
     np.testing.assert_allclose([r["loss"] for r in records if "loss" in r], ref, rtol=1e-5)
+
+
+def test_orphaned_write_tasks_after_a_failed_save_print_nothing():
+    """A failed save leaves tensorstore's other write tasks failing unobserved; asyncio logs each
+    when it is collected. After the failure jaxpar drops those records (and nothing else)."""
+    code = (
+        "import asyncio, gc, logging\n"
+        "logging.basicConfig()\n"
+        "from jaxpar.checkpoint import _quiet_orphaned_tasks\n"
+        "async def write(): raise OSError(27, 'File too large')\n"
+        "def orphan():\n"
+        "    loop = asyncio.new_event_loop()\n"
+        "    loop.create_task(write()); loop.run_until_complete(asyncio.sleep(0)); loop.close()\n"
+        "    gc.collect()\n"
+        "orphan()\n"  # before: asyncio logs it
+        "_quiet_orphaned_tasks()\n"
+        "orphan()\n"  # after: dropped
+        "logging.getLogger('asyncio').error('another asyncio error')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("Task exception was never retrieved") == 1, p.stderr
+    assert "another asyncio error" in p.stderr
