@@ -184,19 +184,8 @@ class PipelineRun:
 
     def local(self, params: Any, tokens_BxS: jax.Array, targets_BxS: jax.Array):
         """Loss and unreduced gradients of this rank's rows through the schedule."""
-        from jaxpar.train.grads import microbatch_split  # noqa: PLC0415
-
-        red, m = self.ctx.reduction, self.ctx.layout.microbatches
-        local, embed_p, head_p = self._split_params(params)
-        loss, d_local, d_embed, d_head = run_local(
-            self.plan,
-            self.pieces_for(jnp.arange(tokens_BxS.shape[1])),
-            local,
-            embed_p,
-            head_p,
-            microbatch_split(tokens_BxS, m),
-            microbatch_split(targets_BxS, m),
-        )
+        red = self.ctx.reduction
+        loss, d_local, d_embed, d_head = self._run(params, tokens_BxS, targets_BxS)
         grads = dict(d_head)
         grads["embed"] = jax.tree.map(jnp.add, d_head["embed"], d_embed) if "embed" in d_head \
             else d_embed  # fmt: skip
@@ -210,6 +199,10 @@ class PipelineRun:
 
     def local_loss(self, params: Any, tokens_BxS: jax.Array, targets_BxS: jax.Array):
         """Mean loss of this rank's rows through the forward-only schedule (no gradient)."""
+        return self._run(params, tokens_BxS, targets_BxS)
+
+    def _run(self, params: Any, tokens_BxS: jax.Array, targets_BxS: jax.Array):
+        """:func:`run_local` of this step's plan on this rank's rows, in micro-batches."""
         from jaxpar.train.grads import microbatch_split  # noqa: PLC0415
 
         m = self.ctx.layout.microbatches

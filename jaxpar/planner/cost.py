@@ -110,24 +110,22 @@ def layer_time(
     sp = TR.sp_traffic(model, lay, shape)
     tp_bw, sp_bw = link_bw(hw, 1, lay.tp), link_bw(hw, lay.tp, lay.sp)
     hide = 1.0 - ex.overlap_tp
+    compute = sum(secs) + attn + elementwise
+    recompute = 0.0  # forward work the backward re-runs
+    if lay.remat == "full":
+        recompute = compute
+    elif lay.remat == "selective" and ex.attention == "blockwise" and ex.selective_reruns_kernel:
+        # selective keeps matmul outputs only: the blockwise kernel's forward (a custom_vjp,
+        # no dot of its own) runs again in the backward
+        recompute = attn
     return LayerTime(
-        compute=sum(secs) + attn + elementwise,
+        compute=compute,
         tp_fwd=tp["forward"] / tp_bw * hide,
         tp_bwd=(tp["backward"] - (tp["forward"] if lay.remat == "full" else 0)) / tp_bw * hide,
         sp_fwd=sp["forward"] / sp_bw,
         sp_bwd=(sp["backward"] - (sp["forward"] if lay.remat == "full" else 0)) / sp_bw,
         efficiency=eff,
-        # selective remat keeps matmul outputs only: the blockwise kernel's forward (a
-        # custom_vjp, no dot of its own) runs again in the backward; full re-runs everything
-        recompute=(
-            sum(secs) + attn + elementwise
-            if lay.remat == "full"
-            else attn
-            if lay.remat == "selective"
-            and ex.attention == "blockwise"
-            and ex.selective_reruns_kernel
-            else 0.0
-        ),
+        recompute=recompute,
     )
 
 

@@ -18,10 +18,10 @@ LOSS = ("dense", "chunked")
 class Executor:
     """Properties of the train step the cost model describes.
 
-    * ``attention``: ``dense`` keeps the s×s probabilities for the backward (jaxpar's einsum
-      core today); ``blockwise`` keeps q, k, v, o and the log-sum-exp only (flash-style:
-      cuDNN, FlashAttention, jaxpar's blockwise kernel) and skips fully masked blocks, so it
-      runs half the score FLOPs of a causal sequence.
+    * ``attention``: ``dense`` keeps the s×s probabilities for the backward (jaxpar's
+      ``model.attention=dense``); ``blockwise`` keeps q, k, v, o and the log-sum-exp only
+      (flash-style: cuDNN, FlashAttention, jaxpar's blockwise kernel) and skips fully masked
+      blocks, so it runs half the score FLOPs of a causal sequence.
     * ``loss``: ``dense`` materialises fp32 logits ``[tokens, V/tp]`` (and their gradient);
       ``chunked`` processes ``loss_chunk`` tokens at a time.
     * ``score_bytes``: HBM bytes moved per s×s score element in a ``dense`` forward (jaxpar:
@@ -45,6 +45,8 @@ class Executor:
     * ``selective_reruns_kernel``: under selective remat the backward re-runs a blockwise
       attention kernel's forward (jaxpar: the kernel is a custom_vjp with no dot of its own, so
       ``checkpoint_dots`` keeps none of it).
+    * ``follows_model``: ``attention`` and ``loss_chunk`` come from the model being costed
+      (jaxpar's own step: :func:`for_model`); a published framework's are fixed.
     * ``tick_stashes``: stash-sized residual sets a tick holds beyond the schedule's peak (the
       backward's slot read out of the buffer and its working set); calibrated on one pipeline
       layout (BENCHMARKS.md).
@@ -64,6 +66,7 @@ class Executor:
     carry_copies: float = 0.0
     tick_stashes: float = 1.0
     selective_reruns_kernel: bool = False
+    follows_model: bool = False
 
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""
@@ -75,14 +78,16 @@ class Executor:
 # ticks. W costs one forward once the pipeline keeps each weight matmul's own cotangent; XLA's
 # async collectives with the latency-hiding scheduler (meshes/*.yaml xla_flags) overlap the
 # data-parallel reduction with the backward, nothing overlaps the tensor-parallel all-reduces.
-JAXPAR = Executor(attention="blockwise", loss="chunked", selective_reruns_kernel=True)
+JAXPAR = Executor(
+    attention="blockwise", loss="chunked", selective_reruns_kernel=True, follows_model=True
+)
 
 
 def for_model(model, executor: Executor = JAXPAR) -> Executor:
-    """``executor`` as it runs ``model`` (a :class:`~jaxpar.config.ModelConfig`): jaxpar's own
-    executor follows the model's ``attention`` and ``loss_chunk`` settings; a published
-    framework's executor is returned unchanged."""
-    if executor.name != JAXPAR.name:
+    """``executor`` as it runs ``model`` (a :class:`~jaxpar.config.ModelConfig`): one that
+    ``follows_model`` takes the model's ``attention`` and ``loss_chunk`` settings; any other is
+    returned unchanged."""
+    if not executor.follows_model:
         return executor
     attention = "dense" if model.attention == "dense" else "blockwise"
     return executor.with_(attention=attention, loss="chunked", loss_chunk=model.loss_chunk)
