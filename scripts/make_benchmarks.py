@@ -112,7 +112,7 @@ def plan_section(res: dict) -> list[str]:
     L = ["## Planner: llama2-70b on a100-64 (64 × A100-80GB), batch 64 × 4096", "",
          "`jaxpar plan --model llama2-70b --mesh a100-64` (searched in "
          f"{res['plan_70b_s']:.1f} s) and `--layout-from-mesh` (the mesh file's production "
-         "layout), jaxpar's executor as this branch compiles it:", "",
+         "layout), jaxpar's executor as this tree compiles it:", "",
          "| | layout | step s | tokens/s | MFU | bubble | memory/device |",
          "|---|---|---|---|---|---|---|"]  # fmt: skip
     for title, s in (("recommended", p70), ("production (mesh file)", res["prod_70b"]),
