@@ -35,6 +35,8 @@ The explicit form gives the stage's collectives by construction on every backend
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -150,60 +152,56 @@ class DPReduction:
     # ---- inside the manual region ---------------------------------------------------------
 
     def gather(self, tree: Any, dims: Any, specs: Any, shift: int = 0) -> Any:
-        """ZeRO-3: all-gather each sharded leaf of ``tree`` in the compute dtype (its VJP is the
-        reduce-scatter of the gradient in the reduction dtype); other stages: a cast only.
-        ``shift`` is the number of leading dims dropped since ``dims`` was taken (the layer
+        """ZeRO-3: all-gather the sharded leaves of ``tree`` (one layer's weights, the embedding,
+        the head) in the compute dtype, packed into one all-gather whose VJP is one
+        reduce-scatter of their gradients in the reduction dtype; other stages: ``tree`` as it
+        is. ``shift`` is the number of leading dims dropped since ``dims`` was taken (the layer
         scan slices off ``[L]``); ``specs`` the leaves' :attr:`auto_specs`."""
         if self.stage < 3:
             return tree
+        dims = jax.tree.map(lambda d: d if d < 0 else d - shift, dims)
+        local = jax.tree.map(lambda s: P(*list(s)[shift:]), specs, is_leaf=_is_p)
 
-        def one(x, d, spec):
-            if d < 0:
-                return weight(x.astype(self.compute_dtype))
-            g = _gather(self.axis, d - shift, self.compute_dtype, self.reduce_dtype)
+        def gathered(t):
+            n, cd, rd = self.sizes[self.axis], self.compute_dtype, self.reduce_dtype
+            t = _on_sharded(lambda xs, ds: _packed_gather(self.axis, n, xs, ds, cd, rd), t, dims)
             # Tagged inside the nested region too: remat policies see the region's values.
-            local = P(*list(spec)[shift:])
-            return weight(on_local_blocks(lambda y: weight(g(y)), local, x))
+            return jax.tree.map(lambda x: weight(x.astype(cd)), t)
 
-        return jax.tree.map(one, tree, dims, specs)
+        return jax.tree.map(weight, on_local_blocks(gathered, local, tree))
 
     def per_microbatch(self, g: Any) -> Any:
-        """Stage 2: reduce-scatter one micro-batch's gradient (the accumulator is a shard)."""
+        """Stage 2: reduce-scatter one micro-batch's gradient (the accumulator is a shard), all
+        sharded leaves in one collective."""
         if self.stage != 2:
             return g
-        return jax.tree.map(
-            lambda x, d, s: x if d < 0 else on_local_blocks(lambda y: self._scatter(y, d), s, x),
-            g,
-            self.dims,
-            self.auto_specs,
-        )
+        return on_local_blocks(lambda t: self._scatter_tree(t, self.dims), self.auto_specs, g)
 
     def finish(self, g: Any) -> Any:
         """The rest of the reduction, once per step, and the mean over the dp ranks."""
 
-        def one(x, d, spec):
-            return on_local_blocks(lambda y: local(y, d), spec, x)
+        def local(t):
+            if self.stage == 1:
+                t = self._scatter_tree(t, self.dims)  # one reduce-scatter of every shard
+            return jax.tree.map(one, t, self.dims)
 
-        def local(x, d):
-            if d < 0 or self.stage == 0:
-                x = self._psum(x, self.axes)  # all-reduce over every dp axis
-            elif self.stage == 1:
-                x = self._psum(self._scatter(x, d), self.repl)  # reduce-scatter (+ hybrid)
-            else:
-                x = self._psum(x, self.repl)  # already scattered; hybrid: across groups
-            return x / self.n
+        def one(x, d):
+            # Replicated leaves and stage 0: all-reduce over every dp axis; shards (already
+            # scattered): hybrid only, across groups. XLA's combiner merges these all-reduces.
+            axes = self.axes if d < 0 or self.stage == 0 else self.repl
+            return self._psum(x, axes) / self.n
 
-        return jax.tree.map(one, g, self.dims, self.auto_specs)
+        return on_local_blocks(local, self.auto_specs, g)
 
     def mean(self, x: jax.Array) -> jax.Array:
         """Mean of a per-rank scalar (the loss) over the dp ranks."""
         return jax.lax.pmean(x, self.axes) if self.axes else x
 
-    def _scatter(self, g: jax.Array, dim: int) -> jax.Array:
-        out = jax.lax.psum_scatter(
-            g.astype(self.reduce_dtype), self.axis, scatter_dimension=dim, tiled=True
-        )
-        return out.astype(g.dtype)
+    def _scatter_tree(self, tree: Any, dims: Any) -> Any:
+        """One reduce-scatter over the ZeRO axis of every leaf with ``dims >= 0`` (local
+        blocks, each returned as its shard in its own dtype); other leaves as they are."""
+        n, rd = self.sizes[self.axis], self.reduce_dtype
+        return _on_sharded(lambda xs, ds: _packed_scatter(self.axis, n, xs, ds, rd), tree, dims)
 
     def _psum(self, g: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         if not axes:
@@ -211,9 +209,11 @@ class DPReduction:
         return jax.lax.psum(g.astype(self.reduce_dtype), axes).astype(g.dtype)
 
 
-def on_local_blocks(fn: Callable, spec: P, x: jax.Array) -> jax.Array:
-    """``fn(x)`` with every still-automatic mesh axis (``tp``, ``sp``) made manual, on the
-    local block ``spec`` describes.
+def on_local_blocks(fn: Callable, specs: Any, tree: Any) -> Any:
+    """``fn(tree)`` with every still-automatic mesh axis (``tp``, ``sp``) made manual, on the
+    local blocks ``specs`` (a tree of specs like ``tree``, or one spec for all) describe; ``fn``
+    returns a tree of the same shardings. One region for the whole tree, so that packed
+    collectives see every leaf at once.
 
     A dp collective issued where ``tp`` is automatic makes XLA's partitioner replicate its
     operand over ``tp`` first (measured on jax 0.10.2: reduce-scatters of full-width [D, F]
@@ -223,11 +223,12 @@ def on_local_blocks(fn: Callable, spec: P, x: jax.Array) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     auto = tuple(a for a in mesh.auto_axes if mesh.shape[a] > 1)  # size 1: nothing to split
     if not auto:
-        return fn(x)
-    spec = _drop_axes(spec, set(mesh.axis_names) - set(auto))  # size-1 axes: not manual here
-    return jax.shard_map(fn, in_specs=spec, out_specs=spec, axis_names=set(auto), check_vma=False)(
-        x
-    )
+        return fn(tree)
+    manual = set(mesh.axis_names) - set(auto)  # size-1 axes: not manual here
+    specs = jax.tree.map(lambda s: _drop_axes(s, manual), specs, is_leaf=_is_p)
+    return jax.shard_map(
+        fn, in_specs=(specs,), out_specs=specs, axis_names=set(auto), check_vma=False
+    )(tree)
 
 
 def _drop_axes(spec: P, axes: set[str]) -> P:
@@ -242,24 +243,77 @@ def _drop_axes(spec: P, axes: set[str]) -> P:
     return P(*parts)
 
 
-def _gather(axis: str, dim: int, compute_dtype, reduce_dtype) -> Callable:
-    """all_gather along ``dim`` in ``compute_dtype``; its VJP is a reduce-scatter of the
-    cotangent in ``reduce_dtype``, returned in the shard's dtype."""
+def _on_sharded(fn: Callable, tree: Any, dims: Any) -> Any:
+    """``tree`` with its leaves of ``dims >= 0`` replaced by ``fn(those leaves, their dims)``,
+    one call for all of them (the packed collectives)."""
+    xs, tdef = jax.tree.flatten(tree)
+    ds = tdef.flatten_up_to(dims)
+    idx = [i for i, d in enumerate(ds) if d >= 0]
+    if idx:
+        for i, y in zip(idx, fn([xs[i] for i in idx], [ds[i] for i in idx]), strict=True):
+            xs[i] = y
+    return jax.tree.unflatten(tdef, xs)
+
+
+def _rows(xs: list, dims: list, n: int, dtype: Any) -> jax.Array:
+    """``[n, T]``: each leaf with its dim ``d`` moved to the front, split into ``n`` rows (row
+    ``r`` = the ``r``-th block along ``d``) and cast to ``dtype``, the leaves side by side."""
+    parts = [
+        jnp.moveaxis(x, d, 0).astype(dtype).reshape(n, -1) for x, d in zip(xs, dims, strict=True)
+    ]
+    return jnp.concatenate(parts, axis=1)
+
+
+def _unrows(r_nxT: jax.Array, shapes: list, dims: list, dtypes: list) -> list:
+    """Inverse of :func:`_rows` for leaves of ``shapes`` (the ``n`` rows stacked along each
+    leaf's dim ``d``), cast to ``dtypes``."""
+    n = r_nxT.shape[0]
+    moved = [(sh[d] // n, *sh[:d], *sh[d + 1 :]) for sh, d in zip(shapes, dims, strict=True)]
+    sizes = [math.prod(m) for m in moved]
+    offsets = list(itertools.accumulate(sizes))[:-1]
+    out = []
+    for piece, m, d, dt in zip(jnp.split(r_nxT, offsets, axis=1), moved, dims, dtypes, strict=True):
+        x = piece.reshape(n * m[0], *m[1:])
+        out.append(jnp.moveaxis(x, 0, d).astype(dt))
+    return out
+
+
+def _packed_scatter(
+    axis: str, n: int, gs: list, dims: list, reduce_dtype: Any, dtypes: list | None = None
+) -> list:
+    """One reduce-scatter (in ``reduce_dtype``) over ``axis`` of the leaves ``gs`` along their
+    ``dims``; each shard returned in ``dtypes`` (default: its leaf's dtype)."""
+    shard = jax.lax.psum_scatter(_rows(gs, dims, n, reduce_dtype), axis, scatter_dimension=0)
+    shapes = [
+        (*g.shape[:d], g.shape[d] // n, *g.shape[d + 1 :]) for g, d in zip(gs, dims, strict=True)
+    ]
+    return _unrows(shard[None], shapes, dims, dtypes or [g.dtype for g in gs])
+
+
+def _packed_gather(axis: str, n: int, xs: list, dims: list, compute_dtype, reduce_dtype) -> list:
+    """One all_gather over ``axis`` of the shards ``xs`` along their ``dims``, in
+    ``compute_dtype``; its VJP is one reduce-scatter of the cotangents in ``reduce_dtype``,
+    returned in the shards' dtypes. The packing happens inside the ``custom_vjp``, so the
+    remat policies see one gather whose outputs are whole weights (never saved)."""
+    full = [
+        (*x.shape[:d], x.shape[d] * n, *x.shape[d + 1 :]) for x, d in zip(xs, dims, strict=True)
+    ]
+    dtypes = [x.dtype for x in xs]
 
     @jax.custom_vjp
-    def gather(x):
-        return jax.lax.all_gather(x.astype(compute_dtype), axis, axis=dim, tiled=True)
+    def gather(xs):
+        flat = _rows(xs, dims, 1, compute_dtype)[0]
+        return _unrows(jax.lax.all_gather(flat, axis), full, dims, [compute_dtype] * len(xs))
 
-    def fwd(x):
-        return gather(x), jnp.zeros((), x.dtype)
+    def fwd(xs):
+        return gather(xs), None
 
-    def bwd(res, g):
-        # The transpose of all-gather: one reduce-scatter per gathered tensor.
-        out = jax.lax.psum_scatter(g.astype(reduce_dtype), axis, scatter_dimension=dim, tiled=True)
-        return (out.astype(res.dtype),)
+    def bwd(_, gs):
+        # The transpose of the packed all-gather: one reduce-scatter of the packed cotangents.
+        return (_packed_scatter(axis, n, gs, dims, reduce_dtype, dtypes),)
 
     gather.defvjp(fwd, bwd)
-    return gather
+    return gather(xs)
 
 
 def _or(x: int | None, default: int) -> int:
