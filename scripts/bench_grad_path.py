@@ -8,6 +8,8 @@ simulated CPU devices and the test model, prints one JSON object (and ``--markdo
   HLO (:func:`jaxpar.analysis.memory.measure`), against ``theory_bytes``
   (:func:`jaxpar.analysis.memory.dp_comm_theory`: 0 → 2Ψ, 1 → Ψ + Ψ, 2 → kΨ + Ψ, 3 → 3kΨ,
   times (N−1)/N) and the stage's ``dp_reduction``;
+* ``dp_collectives``: per kind, the dp collectives the compiled step executes per step (ZeRO-3:
+  one all-gather per layer pass, one reduce-scatter per layer, however many tensors a layer has);
 * ``state_bytes``: model states held at rest (compiled arguments − batch) against what
   ``jaxpar memory`` stores (``stored.at_rest_bytes``);
 * ``loss_rel``/``grad_rel``: loss and largest per-leaf gradient error against one device (fp32);
@@ -104,6 +106,10 @@ def measure_one(name: str, layout: dict, zero: int, k: int, reference) -> dict:
                        ref_g)  # fmt: skip
     m = measure(cfg)
     th = dp_comm_theory(cfg)
+    dp_ops: dict[str, float] = {}
+    for e in m["comm"]["entries"]:
+        if e["axes"] and all(a.startswith("dp") for a in e["axes"]):
+            dp_ops[e["kind"]] = dp_ops.get(e["kind"], 0) + e["count"]
     stored = theory(cfg.layout, cfg.model)["stored"]["at_rest_bytes"]
     tr.compile_step()
     _time_steps(tr, state, batch, 1)  # warm
@@ -120,6 +126,7 @@ def measure_one(name: str, layout: dict, zero: int, k: int, reference) -> dict:
         "bytes_ratio": m["comm"]["dp_wire_bytes"] / th["total_bytes"]
         if th["total_bytes"]
         else None,
+        "dp_collectives": dp_ops,
         "state_bytes": m["state_bytes"],
         "stored_bytes": stored,
         "state_ratio": m["state_bytes"] / stored,
@@ -185,17 +192,18 @@ def baseline_step(tree: str, layout: dict, zero: int, k: int) -> float | None:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| layout | ZeRO | k | dp_reduction | dp bytes (HLO) | theory | ratio | states / "
-            "stored | loss rel | grad rel | step s | vs baseline |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    head = ("| layout | ZeRO | k | dp_reduction | dp bytes (HLO) | theory | ratio | dp ops/step "
+            "| states / stored | loss rel | grad rel | step s | vs baseline |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     lines = [head]
     for r in rows:
         ratio = r["bytes_ratio"]
         base = r.get("baseline_ratio")
+        ops = ", ".join(f"{v:g} {k}" for k, v in sorted(r["dp_collectives"].items()))
         lines.append(
             f"| {r['layout']} | {r['zero']} | {r['microbatches']} | {r['dp_reduction']} | "
             f"{r['dp_wire_bytes']:,.0f} | {r['theory_bytes']:,.0f} | "
-            f"{'-' if ratio is None else f'{ratio:.3f}'} | {r['state_ratio']:.3f} | "
+            f"{'-' if ratio is None else f'{ratio:.3f}'} | {ops} | {r['state_ratio']:.3f} | "
             f"{r['loss_rel']:.1e} | {r['grad_rel']:.1e} | {r['step_s']:.3f} | "
             f"{'-' if base is None else f'{base:.2f}'} |"
         )

@@ -83,6 +83,17 @@ def test_layout_reproduces_one_device_and_reduces_as_its_stage(name):
     theory = dp_comm_theory(cfg)["total_bytes"]
     assert comm["dp_wire_bytes"] == pytest.approx(theory, rel=0.10)
 
+    # Many leaves, one collective: per micro-batch, ZeRO-3 gathers each layer's weights with one
+    # all-gather (forward, again in the backward; plus embedding and head) and reduces their
+    # gradients with one reduce-scatter; ZeRO-2 one reduce-scatter of the whole gradient.
+    count = lambda kind: sum(e["count"] for e in comm["entries"]  # noqa: E731
+                             if e["kind"] == kind and set(e["axes"]) == {"dp"})  # fmt: skip
+    passes = k * (cfg.model.n_layers + 2)  # the layers, the embedding, the head
+    if zero == 3 and cfg.layout.pp == 1:
+        assert count("all-gather") <= 2 * passes and count("reduce-scatter") <= passes
+    if zero == 2 and cfg.layout.pp == 1:
+        assert count("reduce-scatter") == k
+
 
 def test_remat_none_under_zero3_keeps_no_weight():
     """``none`` keeps every activation and, under ZeRO-3, no weight (nor anything computed from

@@ -14,14 +14,27 @@ ring factor (N−1)/N, k micro-batches):
   updates its shard and the new params are all-gathered by the step's out-sharding: Ψ + Ψ;
 * stage 2: a reduce-scatter of every micro-batch's gradient into a sharded accumulator:
   kΨ + Ψ;
-* stage 3 (FSDP): params stay sharded; every layer's weights are ``all_gather``-ed inside the
-  layer scan (:meth:`gather`, forward and again in the backward — the remat policies never keep
-  gathered weights, :mod:`jaxpar.train.remat`), and the gather's transpose is the reduce-scatter
-  of that layer's gradient: 3kΨ.
+* stage 3 (FSDP): params stay sharded; every layer's weights are ``all_gather``-ed (one
+  packed collective per layer) inside the layer scan (:meth:`gather`, forward and again in the
+  backward — the remat policies never keep gathered weights, :mod:`jaxpar.train.remat`), and
+  the gather's transpose is the reduce-scatter of that layer's gradient: 3kΨ.
 
 Hybrid sharding (``dp_shard``): the scatter/gather run over ``dps`` (within a group), then a
 ``psum`` of the shard over ``dpr`` (across groups). A leaf too small or indivisible to shard
 (e.g. a norm scale) is all-reduced over every dp axis at every stage.
+
+Many leaves, one collective: the sharded leaves of one layer (stage 3), or of the whole gradient
+(stage 1's and 2's reduce-scatters), are packed into one buffer — each leaf's ZeRO dim moved to
+the front, flattened into ``N`` rows, cast to the collective's dtype, the leaves side by side —
+so each layer pass issues one all-gather and one reduce-scatter instead of one per weight
+tensor, all inside one nested tp/sp region (:func:`on_local_blocks` over the tree). Measured at
+dp 4 × tp 2, ZeRO-3, 4 layers: 10 all-gathers and 6 reduce-scatters per step instead of 75 and
+39, same bytes. XLA GPU's collective combiners would merge per-tensor collectives anyway; the
+CPU compile does not (it combines all-reduces only), and on simulated CPU devices every
+collective is a rendezvous of all the device threads, so the count sets the step time. The cost
+is a copy: the concatenation before the collective and the split after it move the layer's
+weights (and gradients) once more through memory, and compiled temporaries grow by up to a few
+percent (one packed layer buffer live next to its pieces).
 
 Why shard_map and not JAX's ``unreduced`` partition specs: with parameters typed
 ``P(..., reduced={'dp'})`` autodiff does return ``{U:dp}`` gradients that accumulate without
