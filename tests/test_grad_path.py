@@ -131,3 +131,37 @@ def test_unsupported_combinations_refused_in_one_line(layout, match):
     with pytest.raises(ConfigError, match=match) as e:
         V.validate(small_config(**layout), None)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("setting", ["none", "selective", "full"])
+def test_zero3_packed_gather_keeps_no_gathered_weight(setting):
+    """A layer's weights gathered in one packed all-gather (dp 4 × tp 2): under every remat
+    setting the backward keeps the shards it was given and activations, never a gathered
+    weight (it gathers again)."""
+    from jax._src.ad_checkpoint import saved_residuals
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.train.reduce import DPReduction
+
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    dims, specs = {"w1": 0, "w2": 1, "s": -1}, {"w1": P(None, "tp"), "w2": P("tp"), "s": P()}
+    red = DPReduction(3, ("dp",), "dp", {"dp": 4}, dims, specs, jnp.float32, jnp.float32)
+
+    def layer(x_BxD, lp):
+        w = red.gather(lp, red.dims, red.auto_specs)
+        return jnp.sin(jnp.tanh(x_BxD @ w["w1"]) * w["s"]) @ w["w2"]
+
+    fn = jax.shard_map(
+        jax.checkpoint(layer, prevent_cse=False, policy=remat_of(setting).policy(zero3=True)),
+        in_specs=(P("dp"), {"w1": P("dp"), "w2": P(None, "dp"), "s": P()}),
+        out_specs=P("dp"),
+        axis_names={"dp"},
+        check_vma=False,
+    )
+    lp = {"w1": jnp.ones((8, 32)), "w2": jnp.ones((32, 8)), "s": jnp.ones(())}
+    with jax.set_mesh(mesh):
+        kept = saved_residuals(fn, jnp.ones((16, 8)), lp)
+    computed = [tuple(a.shape) for a, why in kept if "argument" not in str(why)]
+    # Per dp rank a gathered weight holds 8 * 32 values, an activation [4, 32] half of that.
+    assert all(np.prod(shape) // 4 < 8 * 32 for shape in computed), computed
+    assert bool(computed) == (setting != "full")  # activations kept unless recomputed
