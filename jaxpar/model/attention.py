@@ -53,6 +53,7 @@ from jaxpar.config import ATTENTION as IMPLEMENTATIONS
 from jaxpar.config import RunConfig
 from jaxpar.errors import ConfigError
 from jaxpar.model import flash
+from jaxpar.model.names import resharded
 from jaxpar.sharding import constrain
 
 Core = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -154,12 +155,18 @@ def ulysses(core_fn: Core) -> Core:
     all-to-all over ``sp`` per tensor (and back for the output). Without sp: no-ops."""
 
     def run(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh):
-        q_BxSxHxDh = constrain(q_BxSxHxDh, ("batch", "attn_seq", "attn_heads", "head_dim"))
-        k_BxSxKxDh = constrain(k_BxSxKxDh, ("batch", "attn_seq", "attn_kv_heads", "head_dim"))
-        v_BxSxKxDh = constrain(v_BxSxKxDh, ("batch", "attn_seq", "attn_kv_heads", "head_dim"))
+        # Tagged `resharded`: a policy that recomputes data movement keeps these instead of
+        # running the all-to-alls again in the backward (jaxpar.train.remat).
+        heads, kv_heads = (
+            ("batch", "attn_seq", "attn_heads", "head_dim"),
+            ("batch", "attn_seq", "attn_kv_heads", "head_dim"),
+        )
+        q_BxSxHxDh = resharded(constrain(q_BxSxHxDh, heads))
+        k_BxSxKxDh = resharded(constrain(k_BxSxKxDh, kv_heads))
+        v_BxSxKxDh = resharded(constrain(v_BxSxKxDh, kv_heads))
         o_BxSxHxDh = core_fn(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
         # And back (all-to-all over sp) in the caller's constraint to `seq`.
-        return constrain(o_BxSxHxDh, ("batch", "attn_seq", "attn_heads", "head_dim"))
+        return constrain(o_BxSxHxDh, heads)
 
     return run
 

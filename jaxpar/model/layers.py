@@ -20,7 +20,7 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.model.attention import core as attention_core
 from jaxpar.model.attention import kv_repeat, nvidia, resolve, ring_attention, ulysses
-from jaxpar.model.names import weight
+from jaxpar.model.names import resharded, weight
 from jaxpar.sharding import active_rules, constrain
 
 # An attention core ``(q [B,S,H,Dh], k [B,S,K,Dh], v) -> o [B,S,H,Dh]`` that replaces the
@@ -139,6 +139,11 @@ class Attention(nnx.Module):
     def out(self, o_BxSxHxDh: jax.Array) -> jax.Array:
         """The row-parallel output projection ``[B, S, H, Dh] -> [B, S, D]``."""
         o_BxSxHxDh = constrain(o_BxSxHxDh, ("batch", "seq", "heads", "head_dim"))
+        rules = active_rules()
+        if rules is not None and rules.attention == "ulysses":
+            # Ulysses' all-to-all back to sequence shards: kept, not re-run, in the backward
+            # (elsewhere the constraint moves nothing and the core's output is kept already).
+            o_BxSxHxDh = resharded(o_BxSxHxDh)
         # Row-parallel: contracting the tp-sharded heads gives partial sums -> one all-reduce
         # over tp (a reduce-scatter onto the sequence shards under Megatron-SP).
         out = jnp.einsum("bshk,hkd->bsd", o_BxSxHxDh, weight(self.wo[...].astype(o_BxSxHxDh.dtype)))

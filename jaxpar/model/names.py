@@ -12,8 +12,17 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 WEIGHT = "jaxpar_weight"
+# An activation just resharded by a collective (Ulysses' all-to-alls over sp): a policy that
+# recomputes data movement (ZeRO-3's, :mod:`jaxpar.train.remat`) keeps these instead, or the
+# backward would run the forward's all-to-alls again.
+RESHARDED = "jaxpar_resharded"
 
 
 def weight(w: jax.Array) -> jax.Array:
     """Tag ``w`` as a weight operand (an identity in the computation)."""
     return checkpoint_name(w, WEIGHT)
+
+
+def resharded(x: jax.Array) -> jax.Array:
+    """Tag ``x`` as the output of a resharding collective (an identity in the computation)."""
+    return checkpoint_name(x, RESHARDED)
