@@ -30,7 +30,7 @@ from jaxpar.train.step import Trainer
 CASES = {
     "dp4_tp2_z3": (dict(dp=4, tp=2), 3, 1),
     "dp2_tp4_z2_k4": (dict(dp=2, tp=4), 2, 4),
-    "dp2_sp2_tp2_ulysses_z0": (dict(dp=2, sp=2, tp=2), 0, 1),
+    "dp2_sp2_tp2_ulysses_z3": (dict(dp=2, sp=2, tp=2), 3, 1),
     "dp2_sp2_tp2_ring_z3_k2": (dict(dp=2, sp=2, tp=2, sp_mode="ring"), 3, 2),
     "dp2_tp2_pp2_z1_m4": (dict(dp=2, tp=2, pp=2), 1, 4),
     "dp2_tp2_pp2_z3_m2": (dict(dp=2, tp=2, pp=2), 3, 2),
@@ -93,6 +93,11 @@ def test_layout_reproduces_one_device_and_reduces_as_its_stage(name):
         assert count("all-gather") <= 2 * passes and count("reduce-scatter") <= passes
     if zero == 2 and cfg.layout.pp == 1:
         assert count("reduce-scatter") == k
+    if cfg.layout.sp > 1 and cfg.layout.sp_mode == "ulysses" and cfg.layout.remat == "none":
+        # Four all-to-alls per layer forward (q, k, v in, o out) and four in the backward (their
+        # transposes); ZeRO-3's remat policy keeps their outputs rather than re-running them.
+        a2a = sum(e["count"] for e in comm["entries"] if e["kind"] == "all-to-all")
+        assert a2a == 8 * k * cfg.model.n_layers, a2a
 
 
 def test_remat_none_under_zero3_keeps_no_weight():
