@@ -352,6 +352,34 @@ def test_cli_json_and_plot(capsys, tmp_path):
     assert "rank 1" in human and "bubble" in human
 
 
+def test_lean_1f1b_json_and_its_bad_input(capsys, make_cfg):
+    from jaxpar import validation as V
+
+    argv = ["schedule", "--kind", "1f1b", "--stages", "4", "--microbatches", "16", "--json"]
+    assert main(argv + ["--pipeline-memory", "lean"]) == 0
+    lean = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(argv) == 0
+    fast = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (lean["pipeline_memory"], fast["pipeline_memory"]) == ("lean", "fast")
+    assert lean["peak_stashes"] == [4, 3, 2, 1] and fast["peak_stashes"] == [6, 4, 2, 1]
+    # The trade: the same asynchronous makespan, a longer lock step for fewer stashes.
+    assert lean["makespan"] == fast["makespan"] == fast["lockstep_makespan"]
+    assert lean["lockstep_makespan"] > fast["lockstep_makespan"]
+    assert main(argv[:2] + ["gpipe"] + argv[3:] + ["--pipeline-memory", "lean"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pipeline_memory='lean': schedule 'gpipe' has no lean" in err[0]
+    for value, schedule, rule in (
+        ("slow", "1f1b", "layout.pipeline_memory='slow': must be one of"),
+        ("lean", "interleaved", "layout.pipeline_memory='lean': schedule 'interleaved' has no"),
+    ):
+        cfg = make_cfg(pp=2, dp=4, tp=1, schedule=schedule, microbatches=4,
+                       virtual=2 if schedule == "interleaved" else 1)  # fmt: skip
+        cfg.layout.pipeline_memory = value
+        with pytest.raises(ConfigError, match=rule) as e:
+            V.validate(cfg, cfg.layout.n_devices)
+        assert "\n" not in str(e.value)
+
+
 def test_cli_error_exits_2_with_one_line(capsys):
     assert main(["schedule", "--kind", "1f1b", "--stages", "4", "--microbatches", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
