@@ -37,6 +37,7 @@ the collectives and copies inside a branch as often as it runs.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,12 @@ class _Program:
         self.n = {b: int(a[f"n_{b}_slots"]) for b in BUFFERS}
         self.train = plan.training
         self.has_fb = bool(np.any(a["f_kind"] == F_CODE["FB"]))
+        # Whether a plain F ever runs on the last stage (GPipe, lean 1F1B, zero-bubble): only
+        # then does the forward phase take the head's loss and gradient. A fused table's last
+        # stage always runs FB, and a head-sized zero out of every forward branch would be
+        # copied into the switch's output each tick (a [V, D] buffer at scale).
+        last_f = (a["f_kind"] == F_CODE["F"]) & (a["f_stage"] == plan.schedule.num_stages - 1)
+        self.f_head = bool(np.any(last_f)) or not plan.training
         x0 = jax.eval_shape(model.embed, embed_params, tokens[0])
         self.dtype = x0.dtype
         self.msg0 = jnp.zeros(x0.shape, x0.dtype)
@@ -123,7 +130,7 @@ class _Program:
             "stash": _zeros(self.stage.stash_shapes) if self.train else [],
             "taps": _zeros(self.stage.taps_shapes) if self.train else [],
             "cot": self.msg0 if self.n["cot"] else None,
-            "d_head": self.zero_head if self.train else None,
+            "d_head": self.zero_head if self.train and self.f_head else None,
         }  # fmt: skip
         if self.train:
             wpend0 = _zeros(self.stage.wpend_shapes)
@@ -186,6 +193,8 @@ class _Program:
         def not_head(y):
             return self.f_out0["loss"], self.f_out0["d_head"], (y * 0 if self.train else None)
 
+        if not self.f_head:  # training with FB on the last stage: no head in a plain F
+            return out
         p_last = self.weights("f_stage", self.last + 1, is_f)[-1]
         out["loss"], d_head, dy = _cond(s == self.last, at_head, not_head, p_last, out["y"])
         if self.train:
@@ -273,11 +282,13 @@ class _Program:
     def tick(self, c, row):
         """One scan step: backward phase, its send, forward phase, its send, the writes."""
         bo, after = None, 0
+        prog = self
         if self.train:
             bo, arr_grad = self._backward_phase(c, row)
+            prog, (bo, arr_grad) = self._behind(bo, arr_grad)
             after = _after(bo["dx"])  # the forward (and its slot writes) after the backward
         is_f = self.plan.arrays["f_kind"] == F_CODE["F"]
-        fo = _cond(row["f_kind"] == F_CODE["F"], self.f_fwd, self.f_idle, float(np.mean(is_f)),
+        fo = _cond(row["f_kind"] == F_CODE["F"], prog.f_fwd, prog.f_idle, float(np.mean(is_f)),
                    row, _slot(c["act"], row["f_in"] + after))  # fmt: skip
         arr_act = self.send("act", fo["y"], row)
         loss = fo["loss"] + bo["loss"] if self.has_fb else fo["loss"]  # FB's loss: backward's
@@ -286,6 +297,23 @@ class _Program:
             c = self._writes(c, row, fo, bo, after, arr_grad)
         c["act"] = self.file(c["act"], "recv_act", arr_act, row)
         return c, None
+
+    def _behind(self, *done):
+        """This program with parameters that exist only once ``done`` (the backward phase and
+        its send) does, and ``done``.
+
+        XLA's CPU runtime runs a device's independent work concurrently, and a device blocked in
+        a collective's rendezvous holds its thread: a forward collective (a ZeRO-3 gather of the
+        chunk's weights, which reads nothing the backward wrote) started before a backward one
+        on some devices of a group and after it on others deadlocks the step (measured: dp 2 ×
+        sp 2 × pp 2, ring, ZeRO-3, about one run in three). Behind the barrier every collective
+        of the forward phase is issued after every collective of the backward phase, on every
+        device, in one order.
+        """
+        prog = copy.copy(self)
+        params = (self.local, self.embed_p, self.head_p)
+        (prog.local, prog.embed_p, prog.head_p), done = jax.lax.optimization_barrier((params, done))
+        return prog, done
 
     def _backward_phase(self, c, row):
         """The backward switch (B, I, W or FB) and its send; returns its outputs and arrivals."""
@@ -309,10 +337,12 @@ class _Program:
         # backward's output. Without that data dependency XLA cannot order the read before the
         # in-place write and copies each buffer twice per tick.
         i_write = jnp.where(row["b_kind"] == B_CODE["I"], row["b_dys"], -1)
-        chunk, d_head = row["b_chunk"], fo["d_head"]
-        if self.has_fb:  # the FB's chunk is the forward's; its head gradient is the backward's
+        chunk = row["b_chunk"]
+        if self.has_fb:  # the FB's chunk is the forward's
             chunk = jnp.where(row["f_kind"] == F_CODE["FB"], row["f_chunk"], chunk)
-            d_head = jax.tree.map(jnp.add, d_head, bo["d_head"])
+        # The head's gradient: of a plain F on the last stage, or of an FB (the backward's).
+        d_heads = [fo["d_head"]] if self.f_head else []
+        d_heads += [bo["d_head"]] if self.has_fb else []
         c = dict(
             c,
             stash=_write_all(c["stash"], row["f_stash"] + after, fo["stash"]),
@@ -320,7 +350,7 @@ class _Program:
             wpend=_write_all(c["wpend"], i_write, bo["wpend"]),
             acc=_accumulate(c["acc"], chunk, bo["d_chunk"], self.v),
             acc_embed=jax.tree.map(jnp.add, c["acc_embed"], bo["d_embed"]),
-            acc_head=jax.tree.map(jnp.add, c["acc_head"], d_head),
+            acc_head=jax.tree.map(lambda a, *d: sum(d, a), c["acc_head"], *d_heads),
             grad=self.file(c["grad"], "recv_grad", arr_grad, row),
         )
         if self.n["cot"]:
