@@ -24,6 +24,7 @@ MESHES_DIR = REPO_ROOT / "meshes"
 
 AXES = ("pp", "dp", "sp", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+PIPELINE_MEMORY = ("fast", "lean")  # jaxpar.pipeline.generators: fused ticks, or capped stashes
 SP_MODES = ("ulysses", "ring")
 REMAT = ("none", "full", "selective", "offload")
 OFFLOAD = ("none", "optimizer", "params")
@@ -105,6 +106,9 @@ class LayoutConfig:
     microbatches: int = 1  # gradient accumulation steps (or pipeline micro-batches)
     schedule: str = "1f1b"
     virtual: int = 1
+    # "fast": fused ticks at the asynchronous makespan (1F1B rank r stashes 2(p-1-r));
+    # "lean": stashes capped at p - r, a longer lock step (1F1B only).
+    pipeline_memory: str = "fast"
     sp_mode: str = "ulysses"
     sequence_parallel: bool = False
     remat: str = "none"

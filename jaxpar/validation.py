@@ -24,6 +24,7 @@ from jaxpar.config import (
     DTYPES,
     OFFLOAD,
     ON_NONFINITE,
+    PIPELINE_MEMORY,
     PLATFORMS,
     REMAT,
     SCHEDULES,
@@ -234,6 +235,7 @@ def check_layout(
             f"layout.dp={lay.dp}"
         )
     _one_of("layout.schedule", lay.schedule, SCHEDULES)
+    _one_of("layout.pipeline_memory", lay.pipeline_memory, PIPELINE_MEMORY)
     _one_of("layout.sp_mode", lay.sp_mode, SP_MODES)
     _one_of("layout.remat", lay.remat, REMAT)
     _one_of("layout.offload", lay.offload, OFFLOAD)
@@ -283,13 +285,13 @@ def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule_refusal(kind: str, p: int, m: int, v: int) -> str | None:
-    """Why the schedule library refuses (kind, p, m, v), else None (memoised: the planner asks
-    for the same few hundred schedules while it searches)."""
+def _schedule_refusal(kind: str, p: int, m: int, v: int, memory: str = "fast") -> str | None:
+    """Why the schedule library refuses (kind, p, m, v, memory), else None (memoised: the
+    planner asks for the same few hundred schedules while it searches)."""
     from jaxpar.pipeline.schedules import make_schedule
 
     try:
-        make_schedule(kind, p, m, v)
+        make_schedule(kind, p, m, v, memory)
     except ConfigError as e:
         return str(e)
     return None
@@ -297,7 +299,8 @@ def _schedule_refusal(kind: str, p: int, m: int, v: int) -> str | None:
 
 def _check_pipeline(lay: LayoutConfig) -> None:
     """Schedule arguments via the schedule library's own rules (``make_schedule``)."""
-    err = _schedule_refusal(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+    err = _schedule_refusal(lay.schedule, lay.pp, lay.microbatches, lay.virtual,
+                            lay.pipeline_memory)  # fmt: skip
     if err:
         raise ConfigError(f"layout.{err} (pp={lay.pp})")
     # Combinations the pipeline executor does not run correctly are refused, not ignored.

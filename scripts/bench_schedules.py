@@ -3,15 +3,18 @@
 Parts (``--parts``, comma-separated; all by default), one JSON object printed last:
 
 * ``table``: for every schedule at p ∈ {2, 4, 8}, m ∈ {8, 16, 32} (where valid; interleaved at
-  v = 1 and 2): asynchronous and lock-step makespan (F = 1, B = 2, I = W = 1 per stage, a chunk
-  1/v), their ratio, peak stashes per rank (lock step), ticks.
-* ``compiled``: each schedule at p = 4, m = 16 (16 layers of d 128, batch 32 × 64 tokens, fp32,
+  v = 1 and 2; 1F1B also with ``pipeline_memory`` lean): asynchronous and lock-step makespan
+  (F = 1, B = 2, I = W = 1 per stage, a chunk 1/v), their ratio, peak stashes per rank (lock
+  step), ticks.
+* ``compiled``: each schedule (and lean 1F1B, ``1f1b-lean``) at p = 4, m = 16 (16 layers of
+  d 128, batch 32 × 64 tokens, fp32,
   ``remat none``): the compiled flops of each branch (XLA cost analysis of the stage's F, B, I,
   W and FB functions, and of the head the last stage adds), the **simulated step time** — the
   sum over ticks of the slowest rank's branch flops, what a GPU pod would see in lock step
   (simulated CPU devices share two cores, so their wall time hides lock-step waste) —, the CPU
   wall time and its ratio to GPipe's in the same run (interleaved repeats), compiled
-  temporaries, ticks; the 1F1B/GPipe temporaries ratio.
+  temporaries, ticks, lock-step makespan and peak stashes; the 1F1B/GPipe and lean
+  1F1B/GPipe temporaries ratios.
 * ``before``: the same for GPipe, 1F1B and interleaved on the revision before the fused-tick
   executor (``--before-rev``, a temporary git worktree, measured in a subprocess by the same
   code), with its tables (``jaxpar schedule --json`` of that revision) costed by this
@@ -65,24 +68,29 @@ MODEL = dict(name="bench", n_layers=16, d_model=128, n_heads=4, n_kv_heads=2, d_
              vocab_size=256, max_seq_len=64)  # fmt: skip
 BATCH, SEQ = 32, 64
 COMPILED = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2, "dualpipev": 2}
+# Rows of the compiled part: name -> (schedule, virtual, pipeline_memory).
+ROWS = {k: (k, v, "fast") for k, v in COMPILED.items()} | {"1f1b-lean": ("1f1b", 1, "lean")}
 
 
 def table() -> list[dict]:
     """Async and lock-step makespans and peak stashes of every schedule (pure Python)."""
     rows = []
     for kind in KINDS:
-        for v in (
-            (1, 2) if kind == "interleaved" else (2,) if kind in ("zbv", "dualpipev") else (1,)
-        ):
+        for v, mem in (
+            ((1, "fast"), (2, "fast")) if kind == "interleaved"
+            else ((2, "fast"),) if kind in ("zbv", "dualpipev")
+            else ((1, "fast"), (1, "lean")) if kind == "1f1b" else ((1, "fast"),)
+        ):  # fmt: skip
             for p in (2, 4, 8):
                 for m in (8, 16, 32):
                     try:
-                        check_arguments(kind, p, m, v)
+                        check_arguments(kind, p, m, v, mem)
                     except ConfigError:  # a combination the schedule refuses
                         continue
-                    st = make_schedule(kind, p, m, v).stats()
+                    st = make_schedule(kind, p, m, v, mem).stats()
                     rows.append({
-                        "kind": kind, "p": p, "m": m, "v": v, "makespan": st.makespan,
+                        "kind": kind, "p": p, "m": m, "v": v, "pipeline_memory": mem,
+                        "makespan": st.makespan,
                         "lockstep_makespan": st.lockstep_makespan,
                         "lockstep_over_async": round(st.lockstep_makespan / st.makespan, 4),
                         "peak_stashes": st.peak_stashes, "ticks": st.lockstep_ticks,
@@ -186,22 +194,26 @@ def simulated_step(sched, flops: dict[str, float], fb: bool = True) -> float:
 
 
 def compiled_part(steps: int) -> dict:
-    flops = {k: branch_flops(k, v) for k, v in COMPILED.items()}
-    jobs = [dict(name=k, model=MODEL, batch=BATCH, seq=SEQ,
+    flops = {k: branch_flops(k, v) for k, v in COMPILED.items()}  # per schedule: same math
+    jobs = [dict(name=name, model=MODEL, batch=BATCH, seq=SEQ,
                  layout=dict(pp=P, dp=1, tp=1, schedule=k, microbatches=M, virtual=v,
-                             remat="none")) for k, v in COMPILED.items()]  # fmt: skip
+                             pipeline_memory=mem, remat="none"))
+            for name, (k, v, mem) in ROWS.items()]  # fmt: skip
     runs = {r["name"]: r for r in measure_jobs(jobs, P, steps)}
     out = {}
-    for k, v in COMPILED.items():
-        sched = make_schedule(k, P, M, v)
+    for name, (k, v, mem) in ROWS.items():
+        sched = make_schedule(k, P, M, v, mem)
+        st = sched.stats()
         f = flops[k]
         sim = simulated_step(sched, f)
-        out[k] = {
-            "virtual": v, "ticks": sched.num_ticks, "branch_flops": f,
+        out[name] = {
+            "virtual": v, "pipeline_memory": mem, "ticks": sched.num_ticks,
+            "lockstep_makespan": st.lockstep_makespan, "makespan": st.makespan,
+            "peak_stashes": st.peak_stashes, "branch_flops": f,
             "branch_over_F": {a: round(c / f["F"], 3) for a, c in f.items()},
             "simulated_step_flops": sim, "simulated_step_in_F": round(sim / f["F"], 2),
-            "wall_s": runs[k]["step_s"], "temp_bytes": runs[k]["memory"]["temp"],
-            "compile_s": runs[k]["compile_s"],
+            "wall_s": runs[name]["step_s"], "temp_bytes": runs[name]["memory"]["temp"],
+            "compile_s": runs[name]["compile_s"],
         }  # fmt: skip
     for k in out:
         out[k]["wall_over_gpipe"] = round(out[k]["wall_s"] / out["gpipe"]["wall_s"], 3)
@@ -258,6 +270,10 @@ def main() -> int:
         result["compiled"] = after
         g, o = after["gpipe"]["temp_bytes"], after["1f1b"]["temp_bytes"]
         result["temp_1f1b_over_gpipe"] = round(o / g, 4)
+        result["temp_1f1b_lean_over_gpipe"] = round(after["1f1b-lean"]["temp_bytes"] / g, 4)
+        result["simulated_1f1b_lean_over_1f1b"] = round(
+            after["1f1b-lean"]["simulated_step_flops"] / after["1f1b"]["simulated_step_flops"], 4
+        )
         if "before" in parts:
             result["before"] = before_part(args.steps, args.before_rev, after)
             b = result["before"]

@@ -5,8 +5,9 @@ Coverage (each case one compile of the gradient program; the full grid — every
 p ∈ {2, 4}, m ∈ {4, 8}, v ∈ {1, 2}, and every layout below with ZeRO 0-3 — runs in
 ``scripts/bench_pipeline_grid.py``):
 
-* p = 4: 1F1B m 8 (fused ticks), interleaved v 2 m 8 (layers at rest in placement order),
-  ZB-V m 8 (split backward, V placement);
+* p = 4: 1F1B m 8 (fused ticks, backward first), lean 1F1B m 8 (stashes capped at p - r,
+  one action per tick), interleaved v 2 m 8 (layers at rest in placement order), ZB-V m 8
+  (split backward, V placement);
 * p = 2 composed with the other axes, one schedule each: dp 2 × tp 2 with ZeRO 2 on ZB-H1 m 4
   (per-micro-batch reduce-scatter of the split backward's pieces) and ZeRO 0 on interleaved
   v 2 m 4; dp 2 × sp 2 with ring attention and ZeRO 3 on 1F1B m 4, and Ulysses on GPipe m 4
@@ -82,6 +83,7 @@ def assert_matches(got, ref):
 
 SCHEDULES = [
     dict(schedule="1f1b", microbatches=8),
+    dict(schedule="1f1b", microbatches=8, pipeline_memory="lean"),
     dict(schedule="interleaved", microbatches=8, virtual=2),
     dict(schedule="zbv", microbatches=8, virtual=2),
 ]

@@ -22,7 +22,7 @@ from jaxpar.pipeline.schedules import (
     make_schedule,
     validate,
 )
-from jaxpar.pipeline.tables import B_CODE, F_CODE, PER_TICK, SEND_LOCAL, check_slots
+from jaxpar.pipeline.tables import B_CODE, F_CODE, PER_TICK, SEND_LOCAL, check_slots, fused_fb
 from jaxpar.pipeline.timing import stats
 
 PS = (1, 2, 4, 8)
@@ -51,6 +51,7 @@ def grid():
 
 
 GRID = list(grid())
+LEAN_GRID = [(p, m) for p in PS for m in allowed("1f1b", p, 1)]
 
 
 def idle_per_rank(kind: str, p: int, m: int) -> float:
@@ -58,19 +59,36 @@ def idle_per_rank(kind: str, p: int, m: int) -> float:
     return st.makespan - st.busy_per_rank
 
 
-@pytest.mark.parametrize("kind", KINDS)
+def stored_peak(sched) -> int:
+    """Most stashes any rank keeps between ticks, walking its actions in tick order (the last
+    stage's FB keeps none)."""
+    fb, peak = fused_fb(sched), 0
+    for row in sched.ticks:
+        live = 0
+        for a in (a for cell in row for a in cell if (a.stage, a.mb) not in fb):
+            live += a.kind == "F"
+            peak = max(peak, live)
+            live -= a.kind == "B" or a.kind == "W"
+    return peak
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "1f1b-lean"])
 def test_every_generator_validates_and_its_slots_replay(kind):
-    cases = [c for c in GRID if c[0] == kind]
+    if kind == "1f1b-lean":
+        cases = [("1f1b", p, m, 1, "lean") for p, m in LEAN_GRID]
+    else:
+        cases = [(*c, "fast") for c in GRID if c[0] == kind]
     assert cases
-    for _, p, m, v in cases:
-        sched = make_schedule(kind, p, m, v)
+    for kind_, p, m, v, memory in cases:
+        sched = make_schedule(kind_, p, m, v, memory)
         validate(sched)  # make_schedule validates too; this documents the check
         arrays = sched.as_arrays()
         check_slots(sched, arrays)
         st = stats(sched)
+        # The stash buffer is the lock-step peak of the ranks that stash (a fused tick's
+        # backward runs first and its slot takes the forward's stash; an FB stashes nothing).
+        assert int(arrays["n_stash_slots"]) == stored_peak(sched) <= max(st.peak_stashes)
         peak = max(st.peak_stashes)
-        # A fused tick's new stash takes the slot its backward frees: one slot fewer.
-        assert int(arrays["n_stash_slots"]) in (peak - 1, peak)
         assert int(arrays["n_act_slots"]) <= peak and int(arrays["n_grad_slots"]) <= peak
         # The integer table is the tick table: same actions in the same cells.
         for r, row in enumerate(sched.ticks):
@@ -123,14 +141,34 @@ def test_validator_rejects_broken_tables():
         validate(dataclasses.replace(zb, steps=_steps(extra)))
 
 
+def _reorder_cell(sched, r: int, t: int):
+    """``sched`` with rank ``r``'s cell at tick ``t`` run in the other order (steps and
+    ticks both)."""
+    ticks = [list(row) for row in sched.ticks]
+    ticks[r][t] = ticks[r][t][::-1]
+    steps = list(sched.steps)
+    steps[r] = tuple(c for c in ticks[r] if c)
+    return dataclasses.replace(sched, steps=tuple(steps), ticks=tuple(map(tuple, ticks)))
+
+
 def test_fused_ticks_are_validated_inside_the_tick():
     good = make_schedule("1f1b", 4, 8)
-    r0 = [list(row) for row in good.steps]
-    # Rank 2's first fused step made B first, then F: a tick runs its forward first.
-    k = next(i for i, st in enumerate(r0[2]) if len(st) == 2)
-    r0[2][k] = r0[2][k][::-1]
-    with pytest.raises(ScheduleError, match="F then a backward"):
-        validate(dataclasses.replace(good, steps=tuple(map(tuple, r0))))
+    # Rank 2's fused ticks run B first (a micro-batch other than the forward's) and rank 3's
+    # run F first (its own micro-batch: FB).
+    t2 = next(t for t, c in enumerate(good.ticks[2]) if len(c) == 2)
+    assert [a.kind for a in good.ticks[2][t2]] == ["B", "F"]
+    t3 = next(t for t, c in enumerate(good.ticks[3]) if len(c) == 2)
+    assert good.ticks[3][t3] == (Action("F", 3, 0), Action("B", 3, 0))
+    # The last stage's B3.0 before its own F3.0 in one tick breaks the dependency.
+    with pytest.raises(ScheduleError, match="B3.0 at tick 3 needs F3.0 earlier"):
+        validate(_reorder_cell(good, 3, t3))
+    # F before an unrelated B is causal (the validator accepts both orders) but the executor
+    # runs the backward first, so its tables refuse it rather than misstate the stashes.
+    forward_first = _reorder_cell(good, 2, t2)
+    validate(forward_first)
+    assert stats(forward_first).peak_stashes[2] == stats(good).peak_stashes[2] + 1
+    with pytest.raises(ScheduleError, match="runs a tick's backward first"):
+        forward_first.as_arrays()
     # Fusing rank 2's B2.0 with the forward before it, in the tick where rank 3 runs B3.0:
     # the cotangent is sent at the end of that tick, so B2.0 cannot use it in the same tick.
     ticks = [list(row) for row in good.ticks]
@@ -142,8 +180,6 @@ def test_fused_ticks_are_validated_inside_the_tick():
     steps[2] = tuple(c for c in ticks[2] if c)
     with pytest.raises(ScheduleError, match="needs B3.0 earlier"):
         validate(dataclasses.replace(good, steps=tuple(steps), ticks=tuple(map(tuple, ticks))))
-    # The last stage's own micro-batch is fine in one tick: F3.0 then B3.0.
-    assert (Action("F", 3, 0), Action("B", 3, 0)) in good.ticks[3]
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "interleaved"])
@@ -225,10 +261,15 @@ def test_peak_stashes():
     for p in PS:
         for m in allowed("1f1b", p, 1):
             assert stats(make_schedule("gpipe", p, m)).peak_stashes == [m] * p
-            # Fused 1F1B: rank r runs F of micro-batch t - r and B of t - 2(p-1) + r at tick t.
-            want = [min(2 * (p - 1 - r) + 1, m) for r in range(p)]
+            # Fused 1F1B: rank r runs F of micro-batch t - r and B of t - 2(p-1) + r at tick t,
+            # the B first, so 2(p-1-r) stashes (the last stage's FB holds one within its tick).
+            want = [max(min(2 * (p - 1 - r), m), 1) for r in range(p)]
             st = stats(make_schedule("1f1b", p, m))
             assert st.peak_stashes == want and st.peak_inflight == want
+            # Lean 1F1B: the classic in-flight cap p - r.
+            lean = stats(make_schedule("1f1b", p, m, memory="lean"))
+            assert all(k <= p - r for r, k in enumerate(lean.peak_stashes))
+            assert lean.peak_stashes[0] == min(p, m) and lean.lockstep_makespan >= st.makespan
             # ZB-H1 keeps PipeDream-flush's peak (p, on rank 0); deferring W holds p everywhere.
             assert stats(make_schedule("zb-h1", p, m)).peak_stashes == [p] * p
 
@@ -309,6 +350,34 @@ def test_cli_json_and_plot(capsys, tmp_path):
     assert main(["schedule", "--kind", "gpipe", "--stages", "2", "--microbatches", "2"]) == 0
     human = capsys.readouterr().out
     assert "rank 1" in human and "bubble" in human
+
+
+def test_lean_1f1b_json_and_its_bad_input(capsys, make_cfg):
+    from jaxpar import validation as V
+
+    argv = ["schedule", "--kind", "1f1b", "--stages", "4", "--microbatches", "16", "--json"]
+    assert main(argv + ["--pipeline-memory", "lean"]) == 0
+    lean = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(argv) == 0
+    fast = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (lean["pipeline_memory"], fast["pipeline_memory"]) == ("lean", "fast")
+    assert lean["peak_stashes"] == [4, 3, 2, 1] and fast["peak_stashes"] == [6, 4, 2, 1]
+    # The trade: the same asynchronous makespan, a longer lock step for fewer stashes.
+    assert lean["makespan"] == fast["makespan"] == fast["lockstep_makespan"]
+    assert lean["lockstep_makespan"] > fast["lockstep_makespan"]
+    assert main(argv[:2] + ["gpipe"] + argv[3:] + ["--pipeline-memory", "lean"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pipeline_memory='lean': schedule 'gpipe' has no lean" in err[0]
+    for value, schedule, rule in (
+        ("slow", "1f1b", "layout.pipeline_memory='slow': must be one of"),
+        ("lean", "interleaved", "layout.pipeline_memory='lean': schedule 'interleaved' has no"),
+    ):
+        cfg = make_cfg(pp=2, dp=4, tp=1, schedule=schedule, microbatches=4,
+                       virtual=2 if schedule == "interleaved" else 1)  # fmt: skip
+        cfg.layout.pipeline_memory = value
+        with pytest.raises(ConfigError, match=rule) as e:
+            V.validate(cfg, cfg.layout.n_devices)
+        assert "\n" not in str(e.value)
 
 
 def test_cli_error_exits_2_with_one_line(capsys):

@@ -26,7 +26,7 @@ HELP = "Per-device memory (ZeRO convention and jaxpar's storage); --measure comp
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``jaxpar memory``."""
     from jaxpar.commands import _checks as K
-    from jaxpar.config import DTYPES, OFFLOAD, REMAT, SCHEDULES, SP_MODES
+    from jaxpar.config import DTYPES, OFFLOAD, PIPELINE_MEMORY, REMAT, SCHEDULES, SP_MODES
 
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="model name or YAML (default tiny)")
@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", default="none", choices=REMAT, help="recompute policy")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pp > 1")
     parser.add_argument("--virtual", type=K.positive_int, default=1, help="stages per pp rank")
+    parser.add_argument("--pipeline-memory", default="fast", choices=PIPELINE_MEMORY,
+                        help="fast | lean (1f1b: stashes capped at pp - rank)")  # fmt: skip
     parser.add_argument("--sp-mode", default="ulysses", choices=SP_MODES, help="sp > 1")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="Megatron sequence parallelism over tp")  # fmt: skip
@@ -61,6 +63,7 @@ def _config(args: argparse.Namespace):
     lay.zero, lay.dp_shard, lay.remat = args.zero, args.dp_shard, args.remat
     lay.microbatches, lay.compute_dtype = args.microbatches, args.compute_dtype
     lay.schedule, lay.virtual, lay.sp_mode = args.schedule, args.virtual, args.sp_mode
+    lay.pipeline_memory = args.pipeline_memory
     lay.sequence_parallel, lay.offload = args.sequence_parallel, args.offload
     cfg.train.seq_len = args.seq or min(cfg.model.max_seq_len, 128)
     cfg.train.global_batch = args.microbatch_size * args.microbatches * args.dp

@@ -15,6 +15,7 @@ LAYOUT_FLAGS = (
     "microbatches",
     "schedule",
     "virtual",
+    "pipeline_memory",
     "sp_mode",
     "remat",
     "offload",

@@ -2,7 +2,8 @@
 
 Human output: the lock-step tick table (one row per rank, one column per tick) and a stats
 block. ``--json`` prints one JSON object last with keys ``kind``, ``stages``, ``microbatches``,
-``virtual``, ``ranks`` (per rank its order as action strings like ``F3.5``), ``makespan``,
+``virtual``, ``pipeline_memory`` (``fast`` or ``lean``), ``ranks`` (per rank its order as
+action strings like ``F3.5``), ``makespan``,
 ``bubble_fraction``, ``span_bubble_fraction`` (per rank), ``start_skew``, ``lockstep_ticks``,
 ``lockstep_makespan`` (a tick lasts as long as its slowest rank's work, fused ticks' forward
 and backward added), ``lockstep_bubble_fraction``, ``peak_inflight`` (per rank, in its order),
@@ -36,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="virtual stages per rank v (default 2 for interleaved/zbv/dualpipev, else 1)",
     )
+    parser.add_argument(
+        "--pipeline-memory",
+        default="fast",
+        help="fast (fused ticks at the asynchronous makespan) | lean (1f1b: stashes capped at "
+        "p - rank, a longer lock step)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument(
         "--plot", metavar="FILE.png", type=K.image_file, help="write a PNG (or .pdf/.svg) timeline"
@@ -53,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
             f"--stages*--microbatches*--virtual={size}: at most {MAX_SCHEDULE_ACTIONS} (a "
             "larger table takes minutes to build and cannot be read)"
         )
-    sched = make_schedule(args.kind, args.stages, args.microbatches, args.virtual)
+    sched = make_schedule(
+        args.kind, args.stages, args.microbatches, args.virtual, args.pipeline_memory
+    )
     st = stats(sched)
     if args.plot:
         from jaxpar.pipeline.render import plot_schedule
@@ -66,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                 "stages": sched.p,
                 "microbatches": sched.m,
                 "virtual": sched.v,
+                "pipeline_memory": sched.memory,
                 "ranks": [[str(a) for a in row] for row in sched.orders],
                 "makespan": st.makespan,
                 "bubble_fraction": st.bubble_fraction,

@@ -44,6 +44,8 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "microbatches": ("layout.microbatches", K.positive_int, "micro-batches per step"),
     "schedule": ("layout.schedule", str, "pipeline schedule"),
     "virtual": ("layout.virtual", K.positive_int, "virtual pipeline stages per rank"),
+    "pipeline_memory": ("layout.pipeline_memory", str, "fast (fused ticks) | lean (1f1b: "
+                        "stashes capped at pp - rank, a longer lock step)"),
     "sp_mode": ("layout.sp_mode", str, "ulysses | ring"),
     "remat": ("layout.remat", str, "none | full | selective | offload"),
     "offload": ("layout.offload", str, "none | optimizer | params"),

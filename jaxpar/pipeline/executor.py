@@ -5,12 +5,15 @@ inside the one gradient path's ``shard_map`` (manual over ``pp`` and the dp axes
 automatic, so the stage code is the same Megatron/ZeRO code as without a pipeline):
 
 * One ``lax.scan`` over the ticks of :mod:`jaxpar.pipeline.tables` (compile time does not
-  depend on ``m``). A tick runs a **forward phase** (idle, ``F``, or ``FB``: the last stage's
-  forward and backward of one micro-batch), sends the forward's activation, then runs a
-  **backward phase** (idle, ``B``, ``I`` or ``W``) and sends its input cotangent — a fused
-  tick uses both phases, and F's output is on the wire while B computes. Each phase is one
-  ``lax.switch`` on the rank's row of the table. Backward is explicit
-  (:mod:`jaxpar.pipeline.stage`): never autodiff through a switch.
+  depend on ``m``). A tick runs a **backward phase** (idle, ``B``, ``I``, ``W``, or ``FB``: the
+  last stage's forward and backward of one micro-batch) and sends its input cotangent, then a
+  **forward phase** (idle or ``F``) and sends its activation — a fused tick uses both phases,
+  and B's output is on the wire while F computes. The backward goes first because a fused
+  tick's backward is never of its forward's micro-batch: the stash slot it reads is free by
+  the time the forward's stash exists, so a tick holds one stash set fewer than the other
+  order (the forward's input slot index data-depends on the backward's output, so XLA cannot
+  run the forward first). Each phase is one ``lax.switch`` on the rank's row of the table.
+  Backward is explicit (:mod:`jaxpar.pipeline.stage`): never autodiff through a switch.
 * **Nothing replicated that one rank uses**: stage 0 embeds each micro-batch's tokens in its
   forward and takes the embedding's gradient in its backward; the last stage runs the head and
   loss. Only tokens and targets enter every rank.
@@ -34,6 +37,7 @@ the collectives and copies inside a branch as often as it runs.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +50,8 @@ from jaxpar.analysis.hlo_text import branch_scope
 from jaxpar.pipeline.plan import Plan
 from jaxpar.pipeline.stage import Stage, StagePieces
 from jaxpar.pipeline.tables import B_CODE, BUFFERS, CHANNEL_OF_SEND, F_CODE, SEND_LOCAL
+
+FB_INDEX = len(B_CODE) + 1  # the backward switch's branch for a forward-phase FB
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,12 @@ class _Program:
         self.n = {b: int(a[f"n_{b}_slots"]) for b in BUFFERS}
         self.train = plan.training
         self.has_fb = bool(np.any(a["f_kind"] == F_CODE["FB"]))
+        # Whether a plain F ever runs on the last stage (GPipe, lean 1F1B, zero-bubble): only
+        # then does the forward phase take the head's loss and gradient. A fused table's last
+        # stage always runs FB, and a head-sized zero out of every forward branch would be
+        # copied into the switch's output each tick (a [V, D] buffer at scale).
+        last_f = (a["f_kind"] == F_CODE["F"]) & (a["f_stage"] == plan.schedule.num_stages - 1)
+        self.f_head = bool(np.any(last_f)) or not plan.training
         x0 = jax.eval_shape(model.embed, embed_params, tokens[0])
         self.dtype = x0.dtype
         self.msg0 = jnp.zeros(x0.shape, x0.dtype)
@@ -118,14 +130,14 @@ class _Program:
             "stash": _zeros(self.stage.stash_shapes) if self.train else [],
             "taps": _zeros(self.stage.taps_shapes) if self.train else [],
             "cot": self.msg0 if self.n["cot"] else None,
-            "d_head": self.zero_head if self.train else None,
-            "dx": self.msg0 if self.has_fb else None,
-            "d_chunk": self._zero_chunk() if self.has_fb else None,
+            "d_head": self.zero_head if self.train and self.f_head else None,
         }  # fmt: skip
         if self.train:
             wpend0 = _zeros(self.stage.wpend_shapes)
             self.b_out0 = {"dx": self.msg0, "d_chunk": self._zero_chunk(),
-                           "d_embed": self.zero_embed, "wpend": wpend0}  # fmt: skip
+                           "d_embed": self.zero_embed, "wpend": wpend0,
+                           "loss": self.f_out0["loss"] if self.has_fb else None,
+                           "d_head": self.zero_head if self.has_fb else None}  # fmt: skip
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -181,6 +193,8 @@ class _Program:
         def not_head(y):
             return self.f_out0["loss"], self.f_out0["d_head"], (y * 0 if self.train else None)
 
+        if not self.f_head:  # training with FB on the last stage: no head in a plain F
+            return out
         p_last = self.weights("f_stage", self.last + 1, is_f)[-1]
         out["loss"], d_head, dy = _cond(s == self.last, at_head, not_head, p_last, out["y"])
         if self.train:
@@ -189,20 +203,20 @@ class _Program:
                 out["cot"] = dy
         return out
 
-    def f_fb(self, row, x_in):
-        # The last stage's forward and full backward of one micro-batch in one tick: one VJP,
-        # nothing stashed.
+    # ---- backward phase ---------------------------------------------------------------------
+
+    def b_fb(self, row, ins):
+        # The last stage's forward and full backward of one micro-batch in one tick (the
+        # table's f_* fields name it): one VJP, nothing stashed.
         tg = self.targets[row["f_mb"]]
 
         def loss_of(ch, hp, x):
             return self.model.head_loss(hp, self.stage.apply(ch, x), tg) / self.m
 
         loss, (d_chunk, d_head, dx) = jax.value_and_grad(loss_of, argnums=(0, 1, 2))(
-            self.chunk(row["f_chunk"]), self.head_p, x_in
+            self.chunk(row["f_chunk"]), self.head_p, ins["x"]
         )
-        return dict(self.f_out0, loss=loss, d_head=d_head, dx=dx, d_chunk=self.reduce(d_chunk))
-
-    # ---- backward phase ---------------------------------------------------------------------
+        return dict(self.b_out0, loss=loss, d_head=d_head, dx=dx, d_chunk=self.reduce(d_chunk))
 
     def embed_grad(self, row, dx):
         # Stage 0's input cotangent is the embedding's: its gradient is taken here (ZeRO-3: the
@@ -266,46 +280,77 @@ class _Program:
         return buf_arr
 
     def tick(self, c, row):
-        """One scan step: forward phase, its send, backward phase, its send, the writes."""
-        used = set(np.unique(self.plan.arrays["f_kind"]).tolist())
-        f_branches = [f if k in used else self.f_idle
-                      for k, f in enumerate((self.f_idle, self.f_fwd, self.f_fb))]  # fmt: skip
-        fo = _switch(row["f_kind"], f_branches, self.weights("f_kind", 3), row,
-                     _slot(c["act"], row["f_in"]))  # fmt: skip
-        arr_act = self.send("act", fo["y"], row)  # on the wire while the backward computes
-        c = dict(c, loss=c["loss"] + fo["loss"])
+        """One scan step: backward phase, its send, forward phase, its send, the writes."""
+        bo, after = None, 0
+        prog = self
         if self.train:
-            c = self._backward_phase(c, row, fo)
+            bo, arr_grad = self._backward_phase(c, row)
+            prog, (bo, arr_grad) = self._behind(bo, arr_grad)
+            after = _after(bo["dx"])  # the forward (and its slot writes) after the backward
+        is_f = self.plan.arrays["f_kind"] == F_CODE["F"]
+        fo = _cond(row["f_kind"] == F_CODE["F"], prog.f_fwd, prog.f_idle, float(np.mean(is_f)),
+                   row, _slot(c["act"], row["f_in"] + after))  # fmt: skip
+        arr_act = self.send("act", fo["y"], row)
+        loss = fo["loss"] + bo["loss"] if self.has_fb else fo["loss"]  # FB's loss: backward's
+        c = dict(c, loss=c["loss"] + loss)
+        if self.train:
+            c = self._writes(c, row, fo, bo, after, arr_grad)
         c["act"] = self.file(c["act"], "recv_act", arr_act, row)
         return c, None
 
-    def _backward_phase(self, c, row, fo):
+    def _behind(self, *done):
+        """This program with parameters that exist only once ``done`` (the backward phase and
+        its send) does, and ``done``.
+
+        XLA's CPU runtime runs a device's independent work concurrently, and a device blocked in
+        a collective's rendezvous holds its thread: a forward collective (a ZeRO-3 gather of the
+        chunk's weights, which reads nothing the backward wrote) started before a backward one
+        on some devices of a group and after it on others deadlocks the step (measured: dp 2 ×
+        sp 2 × pp 2, ring, ZeRO-3: 3 of 7 runs aborted). Behind the barrier every collective
+        of the forward phase is issued after every collective of the backward phase, on every
+        device, in one order.
+        """
+        prog = copy.copy(self)
+        params = (self.local, self.embed_p, self.head_p)
+        (prog.local, prog.embed_p, prog.head_p), done = jax.lax.optimization_barrier((params, done))
+        return prog, done
+
+    def _backward_phase(self, c, row):
+        """The backward switch (B, I, W or FB) and its send; returns its outputs and arrivals."""
         g = _slot(c["grad"], row["b_in"])
         if self.n["cot"]:
             g = jnp.where(row["b_stage"] == self.last, _slot(c["cot"], row["b_cot"]), g)
-        ins = {"g": g, "stash": c["stash"], "taps": c["taps"], "wpend": c["wpend"]}
-        used = set(np.unique(self.plan.arrays["b_kind"]).tolist())
-        every = (self.b_idle, self.b_bwd, self.b_inp, self.b_wgt)
-        branches = [b if k in used else self.b_idle for k, b in enumerate(every)]
-        bo = _switch(row["b_kind"], branches, self.weights("b_kind", 4), row, ins)
-        dx = bo["dx"]
-        if self.has_fb:
-            dx = jnp.where(row["f_kind"] == F_CODE["FB"], fo["dx"], dx)
-        arr_grad = self.send("grad", dx, row)
+        ins = {"g": g, "stash": c["stash"], "taps": c["taps"], "wpend": c["wpend"],
+               "x": _slot(c["act"], row["f_in"]) if self.has_fb else None}  # fmt: skip
+        kind = np.where(self.plan.arrays["f_kind"] == F_CODE["FB"], FB_INDEX,
+                        self.plan.arrays["b_kind"])  # fmt: skip
+        every = (self.b_idle, self.b_bwd, self.b_inp, self.b_wgt, self.b_fb)
+        branches = [b if k in set(kind.flat) else self.b_idle for k, b in enumerate(every)]
+        index = jnp.where(row["f_kind"] == F_CODE["FB"], FB_INDEX, row["b_kind"])
+        weights = [float(np.mean(kind == k)) for k in range(len(every))]
+        bo = _switch(index, branches, weights, row, ins)
+        return bo, self.send("grad", bo["dx"], row)
+
+    def _writes(self, c, row, fo, bo, after, arr_grad):
         # The forward's stash, taps and cot writes land after the backward has read those
-        # buffers: their slot index depends on the backward's output. Without that data
-        # dependency XLA cannot order the read before the in-place write and copies each
-        # buffer twice per tick.
-        after = _after(bo["dx"])
+        # buffers (the forward itself runs after it): their slot index depends on the
+        # backward's output. Without that data dependency XLA cannot order the read before the
+        # in-place write and copies each buffer twice per tick.
         i_write = jnp.where(row["b_kind"] == B_CODE["I"], row["b_dys"], -1)
+        chunk = row["b_chunk"]
+        if self.has_fb:  # the FB's chunk is the forward's
+            chunk = jnp.where(row["f_kind"] == F_CODE["FB"], row["f_chunk"], chunk)
+        # The head's gradient: of a plain F on the last stage, or of an FB (the backward's).
+        d_heads = [fo["d_head"]] if self.f_head else []
+        d_heads += [bo["d_head"]] if self.has_fb else []
         c = dict(
             c,
             stash=_write_all(c["stash"], row["f_stash"] + after, fo["stash"]),
             taps=_write_all(c["taps"], row["f_taps"] + after, fo["taps"]),
             wpend=_write_all(c["wpend"], i_write, bo["wpend"]),
-            acc=_accumulate(c["acc"], row, bo["d_chunk"], fo["d_chunk"], self.v),
+            acc=_accumulate(c["acc"], chunk, bo["d_chunk"], self.v),
             acc_embed=jax.tree.map(jnp.add, c["acc_embed"], bo["d_embed"]),
-            acc_head=jax.tree.map(jnp.add, c["acc_head"], fo["d_head"]),
+            acc_head=jax.tree.map(lambda a, *d: sum(d, a), c["acc_head"], *d_heads),
             grad=self.file(c["grad"], "recv_grad", arr_grad, row),
         )
         if self.n["cot"]:
@@ -379,14 +424,9 @@ def _cond(pred, true_fn, false_fn, p_true: float, *args):
         return jax.lax.cond(pred, true_fn, false_fn, *args)
 
 
-def _accumulate(acc: Any, row, d_b: Any, d_f: Any | None, v: int) -> Any:
-    """Add this tick's chunk gradients (B/I/W of the backward phase, FB of the forward phase)."""
+def _accumulate(acc: Any, chunk: jax.Array, d: Any, v: int) -> Any:
+    """Add this tick's chunk gradient (of its B, I, W or FB) to local chunk ``chunk``'s."""
     if v == 1:
-        d = d_b if d_f is None else jax.tree.map(jnp.add, d_b, d_f)
         return jax.tree.map(lambda a, x: a + x[None].astype(a.dtype), acc, d)
-
-    def add(acc, c, d):
-        return jax.tree.map(lambda a, x: a.at[c].add(x.astype(a.dtype)), acc, d)
-
-    acc = add(acc, jnp.maximum(row["b_chunk"], 0), d_b)
-    return acc if d_f is None else add(acc, jnp.maximum(row["f_chunk"], 0), d_f)
+    c = jnp.maximum(chunk, 0)
+    return jax.tree.map(lambda a, x: a.at[c].add(x.astype(a.dtype)), acc, d)

@@ -2,7 +2,7 @@
 
 Each generator ``(p, m, v) -> steps`` returns, per rank, its work in execution order as a list
 of *steps*; a step is a tuple of one action, or of two that share a lock-step tick: a forward
-and then a backward (``B`` or ``I``) of the same rank — a *fused tick*. Actions are
+and a backward (``B`` or ``I``) of the same rank — a *fused tick*. Actions are
 ``(kind, stage, micro-batch)`` tuples. :func:`jaxpar.pipeline.schedules.make_schedule` turns
 the steps into a validated :class:`~jaxpar.pipeline.schedules.Schedule`. Facts about each
 schedule (warm-up counts, phase structure) come from its paper or reference implementation,
@@ -10,9 +10,17 @@ cited at the generator; the code is jaxpar's own.
 
 Why fused ticks: the SPMD executor runs the table in lock step, so a tick lasts as long as the
 slowest rank's work. A steady-state tick in which one rank runs ``F`` and another ``B`` (2F)
-wastes the difference; a tick in which every rank runs one ``F`` and one ``B`` does not. The
-forward goes first, so the last stage can run the backward of the micro-batch it has just
-finished in the same tick (it needs no received cotangent).
+wastes the difference; a tick in which every rank runs one ``F`` and one ``B`` does not. On
+the last stage the forward goes first, so it can run the backward of the micro-batch it has
+just finished in the same tick (it needs no received cotangent). Everywhere else the backward
+goes first (:func:`fused`): its micro-batch is not the forward's, and the stash slot it frees
+holds the forward's new stash, so the tick never holds both — one stash fewer per rank.
+
+Memory modes (``memory``, the layout's ``pipeline_memory``): ``"fast"`` is the fused table
+above, at the asynchronous makespan; in lock step each hop costs a tick, so rank ``r`` holds
+``2(p-1-r)`` stashes (1F1B). ``"lean"`` (1F1B only, :data:`LEAN`) caps rank ``r`` at the
+classic ``p - r`` in flight and pays for it in lock-step makespan (p 4, m 16: 72 units
+against 57, F = 1, B = 2).
 """
 
 from __future__ import annotations
@@ -34,6 +42,13 @@ def _gpipe(p: int, m: int, v: int) -> list[list[Step]]:
     ]
 
 
+def fused(f: Key, b: Key) -> Step:
+    """A forward and a backward in one tick, in the order the executor runs them: the
+    backward first (it frees its stash slot before the forward fills one) unless it is the
+    backward of the forward's own (stage, micro-batch) — the last stage's ``FB``."""
+    return (f, b) if f[1:] == b[1:] else (b, f)
+
+
 def _1f1b(p: int, m: int, v: int) -> list[list[Step]]:
     # 1F1B (PipeDream-flush) in fused ticks: the interleaved form with one chunk per rank.
     return _interleaved(p, m, 1)
@@ -45,8 +60,9 @@ def _interleaved(p: int, m: int, v: int) -> list[list[Step]]:
     # 2(p-1-r) + (v-1)p virtual micro-batches, as in Megatron's forward_backward function, then
     # every step fuses F of virtual index k + warm with B of index k into one tick: in the lock
     # step rank r runs F of index t - r and B of index t - warm_r - r at tick t, so the
-    # lock-step makespan equals the asynchronous one. Rank r then holds warm_r + 1 stashes
-    # (1F1B: 2(p-1-r) + 1, where PipeDream-flush's unfused order holds p - r).
+    # lock-step makespan equals the asynchronous one. The backward runs first (fused), so
+    # rank r holds warm_r stashes (1F1B: 2(p-1-r), where PipeDream-flush's unfused order holds
+    # p - r; the last stage runs each micro-batch's FB in one tick and stashes nothing).
     total = m * v
     steps = []
     for r in range(p):
@@ -58,8 +74,30 @@ def _interleaved(p: int, m: int, v: int) -> list[list[Step]]:
 
         warm = min(2 * (p - 1 - r) + (v - 1) * p, total)
         row: list[Step] = [(item(k, "F"),) for k in range(warm)]
-        row += [(item(warm + k, "F"), item(k, "B")) for k in range(total - warm)]
+        row += [fused(item(warm + k, "F"), item(k, "B")) for k in range(total - warm)]
         row += [(item(k, "B"),) for k in range(total - warm, total)]
+        steps.append(row)
+    return steps
+
+
+def _1f1b_lean(p: int, m: int, v: int) -> list[list[Step]]:
+    # PipeDream-flush's order (Narayanan et al. 2021, 1F1B with flush): rank r runs p - r
+    # forwards, then alternates a backward and a forward, then drains its backwards, one action
+    # per tick, so it never holds more than p - r stashes. Fused pairs at this cap lengthen the
+    # lock step instead: a hop costs a tick, so a micro-batch's round trip from rank 0 takes
+    # 2(p-1) ticks whatever the tick holds, and p stashes over that round trip admit a new
+    # micro-batch every 2(p-1)/p ticks, not every tick — ticks of one F and one B (3 units)
+    # then alternate with ticks of one action and the step grows past the unfused 2-unit ticks
+    # (p 4, m 16: 96 units fused, 72 unfused, 57 async).
+    if p <= 2:  # 2(p-1-r) <= p - r: the fused table is within the cap
+        return _1f1b(p, m, v)
+    steps = []
+    for r in range(p):
+        warm = min(p - r, m)
+        row: list[Step] = [(("F", r, j),) for j in range(warm)]
+        for k in range(m - warm):
+            row += [(("B", r, k),), (("F", r, k + warm),)]
+        row += [(("B", r, k),) for k in range(m - warm, m)]
         steps.append(row)
     return steps
 
@@ -196,13 +234,30 @@ GENERATORS: dict[str, Callable[[int, int, int], list[list[Step]]]] = {
     "zbv": _zbv,
     "dualpipev": _dualpipev,
 }
+# Tables that cap the stashes below the fused table's, at the cost of lock-step makespan.
+LEAN: dict[str, Callable[[int, int, int], list[list[Step]]]] = {"1f1b": _1f1b_lean}
+MEMORY_MODES = ("fast", "lean")
 DEFAULT_VIRTUAL = {"interleaved": 2, "zbv": 2, "dualpipev": 2}
 
 
-def check_arguments(kind: str, p: int, m: int, v: int | None = None) -> int:
-    """Refuse a bad (kind, p, m, v) with a one-line :class:`ConfigError`; return resolved v."""
+def generator(kind: str, memory: str = "fast") -> Callable[[int, int, int], list[list[Step]]]:
+    """The generator of ``kind`` in memory mode ``memory`` (arguments already checked)."""
+    return LEAN[kind] if memory == "lean" else GENERATORS[kind]
+
+
+def check_arguments(kind: str, p: int, m: int, v: int | None = None, memory: str = "fast") -> int:
+    """Refuse a bad (kind, p, m, v, memory) with a one-line :class:`ConfigError`; return the
+    resolved v."""
     if kind not in GENERATORS:
         raise ConfigError(f"schedule={kind!r}: unknown schedule, choose one of {', '.join(KINDS)}")
+    if memory not in MEMORY_MODES:
+        raise ConfigError(f"pipeline_memory={memory!r}: must be one of {', '.join(MEMORY_MODES)}")
+    if memory == "lean" and kind not in LEAN:
+        raise ConfigError(
+            f"pipeline_memory='lean': schedule {kind!r} has no lean table, only "
+            f"{', '.join(LEAN)} (GPipe holds every micro-batch by design; interleaved's fused "
+            "table holds Megatron's peak less one; ZB-H1 and the V schedules are unfused)"
+        )
     v = DEFAULT_VIRTUAL.get(kind, 1) if v is None else v
     for name, value in (("stages", p), ("microbatches", m), ("virtual", v)):
         if value < 1:

@@ -43,9 +43,10 @@ ARRANGED_LEAD = 2  # [L, ...] -> [p, v, L/(p·v), ...]: two more leading dims
 
 
 @lru_cache(maxsize=16)
-def plan_for(kind: str, p: int, m: int, v: int, n_layers: int, forward_only=False) -> Plan:
+def plan_for(kind: str, p: int, m: int, v: int, n_layers: int, forward_only=False,
+             memory: str = "fast") -> Plan:  # fmt: skip
     """The (cached) plan of a layout's schedule (``forward_only``: its forwards alone)."""
-    return Plan.make(kind, p, m, v, n_layers, forward_only)
+    return Plan.make(kind, p, m, v, n_layers, forward_only, memory)
 
 
 def layer_order(layout: LayoutConfig, n_layers: int) -> np.ndarray | None:
@@ -91,7 +92,8 @@ class PipelineRun:
         lay = ctx.layout
         self.ctx = ctx
         self.plan = plan_for(lay.schedule, lay.pp, lay.microbatches, lay.virtual,
-                             ctx.model.cfg.n_layers, forward_only)  # fmt: skip
+                             ctx.model.cfg.n_layers, forward_only,
+                             lay.pipeline_memory)  # fmt: skip
 
     # ---- outside the region (GSPMD) --------------------------------------------------------
 

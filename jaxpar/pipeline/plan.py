@@ -23,7 +23,7 @@ def forward_schedule(schedule: Schedule) -> Schedule:
     """The forwards of ``schedule`` alone, same placement and order (evaluation)."""
     steps = tuple(tuple((a,) for a in row if a.kind == "F") for row in schedule.orders)
     out = Schedule(f"{schedule.kind}-forward", schedule.p, schedule.m, schedule.v,
-                   schedule.placement, steps)  # fmt: skip
+                   schedule.placement, steps, memory=schedule.memory)  # fmt: skip
     out.ticks = tuple(map(tuple, lockstep(out.steps, out.num_stages)))
     return out
 
@@ -36,9 +36,10 @@ class Plan:
     n_layers: int
 
     @staticmethod
-    def make(kind: str, p: int, m: int, v: int, n_layers: int, forward_only=False) -> Plan:
+    def make(kind: str, p: int, m: int, v: int, n_layers: int, forward_only=False,
+             memory: str = "fast") -> Plan:  # fmt: skip
         """Build the schedule (``ConfigError`` one-liners for bad arguments)."""
-        sched = make_schedule(kind, p, m, v)
+        sched = make_schedule(kind, p, m, v, memory)
         return Plan(forward_schedule(sched) if forward_only else sched, n_layers)
 
     @cached_property

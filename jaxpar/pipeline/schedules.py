@@ -12,14 +12,17 @@ Vocabulary
   (Megatron) ``s mod p``, V-shaped (ZB-V, DualPipeV; v = 2) rank ``r`` holds ``r`` and
   ``2p-1-r``, so stages ``p-1`` and ``p`` sit on the same rank and that hop is local.
 * ``steps[r]`` is what rank ``r`` executes, strictly in that order: each step is one action,
-  or a *fused* pair — a forward and then a backward (``B``/``I``) that share one tick.
+  or a *fused* pair — a forward and a backward (``B``/``I``) that share one tick, run in the
+  order written: the backward first unless it is the last stage's own micro-batch (``FB``).
   ``orders[r]`` is the same work flattened to actions (what asynchronous timing runs).
 * ``ticks[r][t]`` is the lock-step table derived from the steps: at tick ``t`` a rank runs its
   next step if every dependency on another action ran at a tick ``< t`` (data sent during tick
-  ``t-1`` is there at tick ``t``) — within a fused step the backward may use the forward that
-  precedes it in the same tick (the last stage's own micro-batch) —, otherwise it idles (an
-  empty tuple). A cell is a tuple of the tick's actions, forward first. This table is what the
-  SPMD executor scans over; see :mod:`jaxpar.pipeline.tables` for its integer-array form.
+  ``t-1`` is there at tick ``t``) or precedes it in the same step (the last stage's backward
+  after its own forward), otherwise it idles (an empty tuple). A cell is a tuple of the tick's
+  actions in the order they run. This table is what the SPMD executor scans over; see
+  :mod:`jaxpar.pipeline.tables` for its integer-array form.
+* ``memory``: ``"fast"`` (fused ticks, the asynchronous makespan) or ``"lean"`` (stashes
+  capped at ``p - r``, a longer lock step); see :mod:`jaxpar.pipeline.generators`.
 
 Dependencies: ``F(s,j)`` after ``F(s-1,j)``; ``B/I(s,j)`` after ``F(s,j)`` and after
 ``B/I(s+1,j)`` (the last stage starts its backward from its own loss); ``W(s,j)`` after
@@ -42,12 +45,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from jaxpar.pipeline.generators import (
-    GENERATORS,
     KINDS,
     V_SHAPED,
     Key,
     Step,
     check_arguments,
+    generator,
     placement_for,
 )
 
@@ -86,7 +89,7 @@ class Action:
         return Action(text[0], int(stage), int(mb))
 
 
-Cell = tuple[Action, ...]  # one rank's work in one tick: (), (a,), or (F, backward)
+Cell = tuple[Action, ...]  # one rank's work in one tick: (), (a,), (F, backward), (backward, F)
 
 
 @dataclass
@@ -100,6 +103,7 @@ class Schedule:
     placement: tuple[int, ...]  # global stage -> rank
     steps: tuple[tuple[Cell, ...], ...]  # per rank, in execution order
     ticks: tuple[tuple[Cell, ...], ...] = field(default=())  # [rank][tick]
+    memory: str = "fast"  # "fast" or "lean" (see the generators module)
 
     @property
     def orders(self) -> tuple[tuple[Action, ...], ...]:
@@ -168,17 +172,21 @@ def _key(a: Action) -> Key:
 
 
 def check_cell(cell: Sequence[Action], where: str) -> None:
-    """A tick's work on one rank: at most one forward and one backward piece, forward first."""
-    kinds = [a.kind for a in cell]
-    if len(cell) > 2 or (len(cell) == 2 and (kinds[0] != "F" or kinds[1] == "F")):
-        raise ScheduleError(f"{where}: a tick holds one action or F then a backward, not {kinds}")
+    """A tick's work on one rank: one action, or one forward and one backward piece in either
+    order (whether the order respects the dependencies is :func:`validate`'s check)."""
+    kinds = sorted(a.kind == "F" for a in cell)
+    if len(cell) > 2 or (len(cell) == 2 and kinds != [False, True]):
+        raise ScheduleError(
+            f"{where}: a tick holds one action or a forward and a backward, not "
+            f"{[a.kind for a in cell]}"
+        )
 
 
 def lockstep(steps: Sequence[Sequence[Cell]], num_stages: int) -> list[list[Cell]]:
     """Lock-step table of ``steps``: each tick every rank runs its next step if it is ready.
 
-    A step is ready at tick ``t`` when each dependency ran at a tick ``< t``, or is the
-    forward of the same step (run first in the same tick).
+    A step is ready at tick ``t`` when each dependency of each action ran at a tick ``< t``
+    or precedes that action in the same step.
     """
     p = len(steps)
     bwd = backward_kind([[a for st in row for a in st] for row in steps])
@@ -190,8 +198,8 @@ def lockstep(steps: Sequence[Sequence[Cell]], num_stages: int) -> list[list[Cell
         for r in range(p):
             if ptr[r] < len(steps[r]):
                 step = steps[r][ptr[r]]
-                own = {_key(a) for a in step}
-                deps = [d for a in step for d in dependencies(a, num_stages, bwd) if d not in own]
+                deps = [d for i, a in enumerate(step) for d in dependencies(a, num_stages, bwd)
+                        if d not in {_key(b) for b in step[:i]}]  # fmt: skip
                 if all(done.get(d, t) < t for d in deps):
                     ready.append((r, tuple(step)))
         if not ready:
@@ -214,8 +222,10 @@ def lockstep(steps: Sequence[Sequence[Cell]], num_stages: int) -> list[list[Cell
 def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` unless ``schedule`` is complete, placed and causal.
 
-    Checks every dependency across ticks (strictly earlier) and inside a fused tick (the
-    backward may follow the forward of its own tick, on its own rank, and nothing else).
+    Checks every dependency across ticks (strictly earlier) and inside a fused tick, in the
+    order the tick runs its two actions (an action may use only what precedes it in its own
+    tick: the last stage's backward after its own forward; a backward run before the forward
+    of its own micro-batch is refused).
     """
     s_count, m = schedule.num_stages, schedule.m
     if len(schedule.placement) != s_count or len(schedule.steps) != schedule.p:
@@ -262,19 +272,22 @@ def validate(schedule: Schedule) -> None:
                         )
 
 
-def make_schedule(kind: str, p: int, m: int, v: int | None = None) -> Schedule:
+def make_schedule(
+    kind: str, p: int, m: int, v: int | None = None, memory: str = "fast"
+) -> Schedule:
     """Build, simulate and validate a schedule.
 
     ``v`` defaults to 2 for ``interleaved``, ``zbv`` and ``dualpipev`` and to 1 otherwise;
-    ``interleaved`` with ``v=1`` is plain 1F1B (as in Megatron). Raises :class:`ConfigError`
-    for inputs the schedule does not support.
+    ``interleaved`` with ``v=1`` is plain 1F1B (as in Megatron). ``memory``: ``"fast"`` or
+    ``"lean"`` (1F1B capped at ``p - r`` stashes). Raises :class:`ConfigError` for inputs the
+    schedule does not support.
     """
-    v = check_arguments(kind, p, m, v)
+    v = check_arguments(kind, p, m, v, memory)
     steps = tuple(
         tuple(tuple(Action(*key) for key in step) for step in row)
-        for row in GENERATORS[kind](p, m, v)
+        for row in generator(kind, memory)(p, m, v)
     )
-    sched = Schedule(kind, p, m, v, placement_for(kind, p, v), steps)
+    sched = Schedule(kind, p, m, v, placement_for(kind, p, v), steps, memory=memory)
     sched.ticks = tuple(map(tuple, lockstep(sched.steps, sched.num_stages)))
     validate(sched)
     return sched

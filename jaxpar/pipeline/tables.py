@@ -2,7 +2,10 @@
 
 The executor runs one ``lax.scan`` over ticks ``t = 0 .. T-1``; in each tick every rank ``r``
 (``P = p`` ranks) looks up row ``[t, r]`` and runs two phases, a forward and a backward (a
-fused tick uses both; an unfused one leaves one idle):
+fused tick uses both; an unfused one leaves one idle). It runs the backward phase first (and
+the ``FB`` with it): a fused tick's backward is never of its forward's micro-batch, so the
+stash slot it frees can take the forward's new stash and the tick holds one stash set fewer.
+A table whose cell runs a forward before an unrelated backward is refused.
 
 1. **forward phase** ``f_kind[t, r]``: 0 idle, 1 ``F``, 2 ``FB`` — the forward and the full
    backward of the same (stage, micro-batch) in one tick (the last stage of a fused schedule:
@@ -38,7 +41,8 @@ Buffer sizes (same on every rank, as SPMD needs) are the ``n_<buffer>_slots`` 0-
 interval colouring (lowest free slot first, which is optimal). A (stage, micro-batch) occupies
 a stash slot from the tick after its forward to its backward (``B``/``I``), so in a fused tick
 the forward's new stash reuses the slot the backward frees: ``n_stash_slots`` is the lock-step
-peak (:func:`jaxpar.pipeline.timing.peak_stashes`) less one where fused ticks reach it.
+peak (:func:`jaxpar.pipeline.timing.peak_stashes`) of the ranks that stash (the last stage's
+``FB`` stashes nothing).
 """
 
 from __future__ import annotations
@@ -108,6 +112,13 @@ def as_arrays(schedule: Schedule) -> dict[str, np.ndarray]:
     bwd = backward_kind(schedule.orders)
     split = any(k == "I" for k in bwd.values())
     fb = fused_fb(schedule)
+    for r, row in enumerate(schedule.ticks):
+        for t, cell in enumerate(row):
+            if len(cell) == 2 and cell[0].kind == "F" and (cell[0].stage, cell[0].mb) not in fb:
+                raise ScheduleError(
+                    f"tick {t} rank {r}: {cell[0]} before {cell[1]}; the executor runs a "
+                    "tick's backward first unless it is the forward's own (FB)"
+                )
     out = {k: np.full((T, p), -1, np.int32) for k in PER_TICK}
     for k in ("f_kind", "b_kind", "f_send", "b_send"):
         out[k][:] = 0

@@ -13,10 +13,11 @@ schedule does the same total work ``m * (f + b)`` per rank and bubbles compare d
   tick's forward and backward add up).
 * ``peak_inflight[r]``: most (stage, micro-batch) stashes alive at once on rank ``r`` — from the
   forward until the last backward piece that reads it (``B``, or ``W`` when split) — in the
-  rank's order. ``peak_stashes[r]``: the same in the lock-step table, counting a stash alive in
-  every tick from its forward's to its last backward's, both included: in a fused tick the new
-  forward's residuals exist while the backward still reads the old ones. This is what the
-  executor holds.
+  rank's order. ``peak_stashes[r]``: the same in the lock-step table, each tick's actions in
+  the order the executor runs them: a tick that runs a backward and then a forward frees the
+  backward's stash before the forward makes one; the last stage's forward and backward of one
+  micro-batch (``FB``) hold its residuals within the tick. This is what the executor holds:
+  its stash buffer has ``max(peak_stashes)`` slots, bar the ``FB`` ones.
 """
 
 from __future__ import annotations
@@ -92,36 +93,28 @@ def simulate_async(schedule: Schedule, costs: dict[str, float]) -> dict[Key, tup
 
 def peak_inflight(schedule: Schedule) -> list[int]:
     """Most stashes alive at once per rank (forward run, last backward piece not yet)."""
+    return _peaks(schedule.orders, schedule)
+
+
+def peak_stashes(schedule: Schedule) -> list[int]:
+    """Most stashes alive at once in the lock-step table, per rank (module docstring)."""
+    return _peaks([[a for cell in row for a in cell] for row in schedule.ticks], schedule)
+
+
+def _peaks(rows, schedule: Schedule) -> list[int]:
+    """Per rank, the most stashes alive while ``rows[r]``'s actions run in that order: a
+    forward makes one, the last backward piece (``B``, or ``W`` after ``I``) frees it once it
+    has run."""
     bwd = backward_kind(schedule.orders)
     peaks = []
-    for row in schedule.orders:
+    for row in rows:
         live = peak = 0
         for a in row:
             if a.kind == "F":
                 live += 1
-            elif a.kind == "W" or (a.kind == "B" and bwd[(a.stage, a.mb)] == "B"):
-                live -= 1
             peak = max(peak, live)
-        peaks.append(peak)
-    return peaks
-
-
-def peak_stashes(schedule: Schedule) -> list[int]:
-    """Most stashes alive in one tick of the lock-step table, per rank (module docstring)."""
-    tick = schedule.tick_of()
-    bwd = backward_kind(schedule.orders)
-    peaks = []
-    for r in range(schedule.p):
-        live = [0] * (schedule.num_ticks + 1)
-        for s in schedule.stages_of(r):
-            for j in range(schedule.m):
-                last = "B" if bwd[(s, j)] == "B" else "W"
-                live[tick[("F", s, j)]] += 1
-                live[tick[(last, s, j)] + 1] -= 1
-        run = peak = 0
-        for x in live:
-            run += x
-            peak = max(peak, run)
+            if a.kind == "W" or (a.kind == "B" and bwd[(a.stage, a.mb)] == "B"):
+                live -= 1
         peaks.append(peak)
     return peaks
 

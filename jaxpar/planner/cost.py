@@ -183,7 +183,8 @@ def step_cost(
     traffic = {"intra": 0.0, "inter": 0.0, "host": 0.0}
     pp_p2p = 0.0
     if lay.pp > 1:
-        pf = figures(lay.schedule, lay.pp, m, lay.virtual, costs, executor.lockstep)
+        pf = figures(lay.schedule, lay.pp, m, lay.virtual, costs, executor.lockstep,
+                     memory=lay.pipeline_memory)  # fmt: skip
         bubble = max(0.0, (pf.makespan - pf.busy) * f_stage)
         stride = lay.dp * lay.sp * lay.tp
         nbytes = pf.sends * TR.pp_message_bytes(model, lay, shape)

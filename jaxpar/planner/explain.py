@@ -114,6 +114,7 @@ def render(result: dict[str, Any]) -> str:
 
 def _layout_text(lay: dict) -> str:
     extra = f" {lay['schedule']} v={lay['virtual']}" if lay["pp"] > 1 else ""
+    extra += " lean" if lay.get("pipeline_memory") == "lean" else ""
     sp = " +SP" if lay.get("sequence_parallel") else ""
     sp += f" ({lay['sp_mode']})" if lay.get("sp_mode") else ""
     return (

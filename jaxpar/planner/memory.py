@@ -68,7 +68,8 @@ def pipe_figures(lay: LayoutConfig, executor: Executor = JAXPAR) -> PipeFigures:
     from jaxpar.planner.cost import action_costs
 
     costs = action_costs(lay, executor)
-    return figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, executor.lockstep)
+    return figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, executor.lockstep,
+                   memory=lay.pipeline_memory)  # fmt: skip
 
 
 def memory(

@@ -57,26 +57,26 @@ class PipeFigures:
         return 1.0 - self.busy / self.makespan
 
 
-def schedule_error(kind: str, p: int, m: int, v: int) -> str | None:
-    """One-line reason the schedule library refuses (kind, p, m, v), else None."""
+def schedule_error(kind: str, p: int, m: int, v: int, memory: str = "fast") -> str | None:
+    """One-line reason the schedule library refuses (kind, p, m, v, memory), else None."""
     from jaxpar.pipeline.generators import check_arguments
 
     try:
-        check_arguments(kind, p, m, v)
+        check_arguments(kind, p, m, v, memory)
     except ConfigError as e:
         return str(e)
     return None
 
 
 @lru_cache(maxsize=1024)
-def _table(kind: str, p: int, m: int, v: int) -> tuple:
+def _table(kind: str, p: int, m: int, v: int, memory: str) -> tuple:
     """The schedule and what depends only on its order: ticks, sends, peaks, slots."""
     import numpy as np
 
     from jaxpar.pipeline.schedules import make_schedule
     from jaxpar.pipeline.tables import SEND_LOCAL, SEND_NONE
 
-    sched = make_schedule(kind, p, m, v)
+    sched = make_schedule(kind, p, m, v, memory)
     arrays = sched.as_arrays()
     remote = sum(
         ((arrays[k] != SEND_NONE) & (arrays[k] != SEND_LOCAL)).sum(axis=0)
@@ -84,13 +84,14 @@ def _table(kind: str, p: int, m: int, v: int) -> tuple:
     )
     slots = tuple(int(arrays[f"n_{b}_slots"]) for b in ("act", "grad", "cot"))
     st = sched.stats()
-    # Lock-step peaks: what the executor holds (a fused tick's new stash beside the old).
+    # Lock-step peaks: what the executor holds (the memory mode's table: lean caps them).
     return sched, st.lockstep_ticks, int(np.max(remote)), tuple(st.peak_stashes), slots
 
 
 @lru_cache(maxsize=8192)
-def _measure(kind: str, p: int, m: int, v: int, costs: ActionCosts, lockstep: bool) -> tuple:
-    sched, ticks, sends, peaks, slots = _table(kind, p, m, v)
+def _measure(kind: str, p: int, m: int, v: int, costs: ActionCosts, lockstep: bool,
+             memory: str) -> tuple:  # fmt: skip
+    sched, ticks, sends, peaks, slots = _table(kind, p, m, v, memory)
     st = sched.stats(f=1.0, b=costs.b, i=costs.i, w=costs.w)
     makespan = st.lockstep_makespan if lockstep else st.makespan
     return makespan, st.busy_per_rank, ticks, sends, peaks, slots
@@ -105,27 +106,29 @@ def figures(
     costs: ActionCosts = ActionCosts(),
     lockstep: bool = True,
     exact: bool = False,
+    memory: str = "fast",
 ) -> PipeFigures:
     """Figures of schedule ``kind`` with ``p`` ranks, ``m`` micro-batches, ``v`` chunks per rank.
 
     ``lockstep``: time the tick table as jaxpar's executor runs it; ``False`` gives the
-    asynchronous (event-driven) makespan other frameworks approach. ``p == 1``: no pipeline
+    asynchronous (event-driven) makespan other frameworks approach. ``memory``: the table's
+    memory mode (``"lean"``: 1F1B's stashes capped at ``p - r``). ``p == 1``: no pipeline
     (one stash, no bubble, one tick per micro-batch). Raises :class:`ConfigError` for
     combinations the library refuses.
     """
     if p == 1:
         busy = m * (1.0 + costs.b)
         return PipeFigures(busy, busy, m, 0, (1,), (0, 0, 1), False)
-    err = schedule_error(kind, p, m, v)
+    err = schedule_error(kind, p, m, v, memory)
     if err:
         raise ConfigError(err)
     m0 = m if exact or m <= 2 * p else 2 * p + m % p
     # Timing is piecewise linear in the cost ratios: two decimals keep the cache small.
     costs = ActionCosts(round(costs.b, 2), round(costs.i, 2), round(costs.w, 2))
-    makespan, busy, ticks, sends, peaks, slots = _measure(kind, p, m0, v, costs, lockstep)
+    makespan, busy, ticks, sends, peaks, slots = _measure(kind, p, m0, v, costs, lockstep, memory)
     extra = m - m0
     if extra:
-        mk2, busy2, t2, s2, _, _ = _measure(kind, p, m0 + p, v, costs, lockstep)
+        mk2, busy2, t2, s2, _, _ = _measure(kind, p, m0 + p, v, costs, lockstep, memory)
         periods = extra / p
         makespan += (mk2 - makespan) * periods
         busy += (busy2 - busy) * periods

@@ -108,7 +108,8 @@ def plan(cfg: C.RunConfig, top: int = 3) -> dict:
     for c in S.candidates(model, hw, n, shape, counter=counter):
         evaluated += 1
         lay = c.layout
-        key = (lay.dp, lay.tp, lay.pp, lay.sp, lay.sp_mode, lay.schedule, lay.virtual)
+        key = (lay.dp, lay.tp, lay.pp, lay.sp, lay.sp_mode, lay.schedule, lay.virtual,
+               lay.pipeline_memory)  # fmt: skip
         if key not in groups or _rank(c) < _rank(groups[key]):
             groups[key] = c
     ranked = sorted(groups.values(), key=_rank)

@@ -6,8 +6,9 @@ layouts the trainer accepts (and, when the trainer learns a new combination, pro
 
 The space: tp (powers of two dividing the head count, up to two nodes), sp (Ulysses or ring),
 pp (dividing the layers and the devices left), dp the rest; for pipelines every schedule with
-its allowed virtual stages; ZeRO 0–3; the micro-batch size (divisors of the per-dp batch up to
-``MAX_MB_TOKENS`` tokens, and 1); Megatron sequence parallelism with tp; remat and offload.
+its allowed virtual stages (1F1B in both memory modes); ZeRO 0–3; the micro-batch size
+(divisors of the per-dp batch up to ``MAX_MB_TOKENS`` tokens, and 1); Megatron sequence
+parallelism with tp; remat and offload.
 Pruning, so that a 1024-device cluster answers in seconds:
 
 * a (tp, sp, pp) split whose leanest variant (ZeRO-3, full remat, params offloaded where the
@@ -34,15 +35,17 @@ from jaxpar.planner.executor import JAXPAR, Executor, for_model
 
 HEADROOM = 0.92  # share of device memory a layout may use (runtime, fragmentation, NCCL buffers)
 MAX_MB_TOKENS = 65536  # past this many tokens per micro-batch, matmul efficiency is saturated
-PIPE_CHOICES = (
-    ("1f1b", 1),
-    ("gpipe", 1),
-    ("interleaved", 2),
-    ("interleaved", 4),
-    ("zb-h1", 1),
-    ("zbv", 2),
-    ("dualpipev", 2),
+PIPE_CHOICES = (  # (schedule, virtual, pipeline_memory)
+    ("1f1b", 1, "fast"),
+    ("1f1b", 1, "lean"),
+    ("gpipe", 1, "fast"),
+    ("interleaved", 2, "fast"),
+    ("interleaved", 4, "fast"),
+    ("zb-h1", 1, "fast"),
+    ("zbv", 2, "fast"),
+    ("dualpipev", 2, "fast"),
 )
+NO_PIPE = (("1f1b", 1, "fast"),)
 REMATS = ("none", "selective", "full")
 
 
@@ -78,6 +81,7 @@ def layout_dict(lay: LayoutConfig, shape: M.Shape) -> dict:
             "sequence_parallel", "dp_shard")  # fmt: skip
     out = {k: getattr(lay, k) for k in keys}
     out["schedule"] = lay.schedule if lay.pp > 1 else None
+    out["pipeline_memory"] = lay.pipeline_memory if lay.pp > 1 else None
     out["sp_mode"] = lay.sp_mode if lay.sp > 1 else None
     out["microbatch_size"] = shape.microbatch_size(lay)
     return out
@@ -150,10 +154,11 @@ def _leanest(model, hw, shape, tp, sp, pp, dp, n) -> tuple[LayoutConfig, dict] |
     for sp_mode in ("ulysses", "ring") if sp > 1 else ("ulysses",):
         for offload in ("params", "optimizer", "none"):
             for m in sorted({per_dp, 1} - {0}, reverse=True):
-                for kind, v in PIPE_CHOICES if pp > 1 else (("1f1b", 1),):
+                for kind, v, mem in PIPE_CHOICES if pp > 1 else NO_PIPE:
                     lay = base_layout(hw, tp, sp, pp, dp, zero=3 if dp > 1 else 0,
                                       remat="full", offload=offload, microbatches=m,
-                                      schedule=kind, virtual=v, sp_mode=sp_mode)  # fmt: skip
+                                      schedule=kind, virtual=v, pipeline_memory=mem,
+                                      sp_mode=sp_mode)  # fmt: skip
                     if not runnable(model, lay, shape, n):
                         continue
                     mem = M.memory(model, lay, shape)
@@ -185,11 +190,11 @@ def candidates(
             continue
         per_dp = shape.global_batch // dp
         for b in [b for b in _divisors(per_dp) if b == 1 or b * shape.seq <= MAX_MB_TOKENS]:
-            for kind, v in PIPE_CHOICES if pp > 1 else (("1f1b", 1),):
+            for kind, v, mem in PIPE_CHOICES if pp > 1 else NO_PIPE:
                 for sp_mode in ("ulysses", "ring") if sp > 1 else ("ulysses",):
                     for zero in (0, 1, 2, 3) if dp > 1 else (0,):
                         kw = dict(zero=zero, microbatches=per_dp // b, schedule=kind, virtual=v,
-                                  sp_mode=sp_mode)  # fmt: skip
+                                  pipeline_memory=mem, sp_mode=sp_mode)  # fmt: skip
                         yield from _first_fitting(model, hw, shape, n, tp, sp, pp, dp, kw, counter)
 
 
