@@ -4,6 +4,20 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One persistent compilation cache for the whole run: this process, the xdist workers (they
+# inherit the variable from the first process that sets it) and every subprocess a test starts.
+# Many tests compile the same one-device reference or the same CLI run; they compile it once.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="jaxpar-tests-xla-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
