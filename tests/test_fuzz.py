@@ -82,6 +82,7 @@ OVERRIDE_FIELDS = (
 GOOD = {  # a valid value per field kind, so generated runs reach the later rules too
     "schedule": st.sampled_from([*KINDS, "2f2b"]),
     "sp_mode": st.sampled_from(["ulysses", "ring", "x"]),
+    "pipeline_memory": st.sampled_from([*C.PIPELINE_MEMORY, "tiny"]),
     "remat": st.sampled_from([*C.REMAT, "most"]),
     "offload": st.sampled_from([*C.OFFLOAD, "gpu"]),
     "compute_dtype": st.sampled_from([*C.DTYPES, "int8"]),
