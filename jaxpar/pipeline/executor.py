@@ -7,12 +7,12 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
 * One ``lax.scan`` over the ticks of :mod:`jaxpar.pipeline.tables` (compile time does not
   depend on ``m``). A tick runs a **backward phase** (idle, ``B``, ``I``, ``W``, or ``FB``: the
   last stage's forward and backward of one micro-batch) and sends its input cotangent, then a
-  **forward phase** (idle or ``F``) and sends its activation — a fused tick uses both phases,
-  and B's output is on the wire while F computes. The backward goes first because a fused
-  tick's backward is never of its forward's micro-batch: the stash slot it reads is free by
-  the time the forward's stash exists, so a tick holds one stash set fewer than the other
-  order (the forward's input slot index data-depends on the backward's output, so XLA cannot
-  run the forward first). Each phase is one ``lax.switch`` on the rank's row of the table.
+  **forward phase** (idle or ``F``) and sends its activation — a fused tick uses both phases.
+  The backward goes first because a fused tick's backward is never of its forward's
+  micro-batch: the stash slot it reads is free by the time the forward's stash exists, so a
+  tick holds one stash set fewer than the other order. The forward's parameters and input
+  wait behind the backward and its send (:meth:`_Program._behind`: one order of collectives on
+  every device). Each phase is one ``lax.switch`` on the rank's row of the table.
   Backward is explicit (:mod:`jaxpar.pipeline.stage`): never autodiff through a switch.
 * **Nothing replicated that one rank uses**: stage 0 embeds each micro-batch's tokens in its
   forward and takes the embedding's gradient in its backward; the last stage runs the head and
@@ -303,12 +303,17 @@ class _Program:
         its send) does, and ``done``.
 
         XLA's CPU runtime runs a device's independent work concurrently, and a device blocked in
-        a collective's rendezvous holds its thread: a forward collective (a ZeRO-3 gather of the
-        chunk's weights, which reads nothing the backward wrote) started before a backward one
-        on some devices of a group and after it on others deadlocks the step (measured: dp 2 ×
-        sp 2 × pp 2, ring, ZeRO-3: 3 of 7 runs aborted). Behind the barrier every collective
-        of the forward phase is issued after every collective of the backward phase, on every
-        device, in one order.
+        a collective's rendezvous holds its thread. The forward phase reads nothing the backward
+        wrote except its input slot, so its collectives (the ZeRO-3 gathers of the chunk's
+        weights, ring attention's all-to-alls) could start while the backward's were still
+        being issued, in different orders on different devices of one group. Measured at dp 2 ×
+        sp 2 × pp 2, ring, ZeRO-3: 3 of 7 runs aborted on a rendezvous timeout, with devices
+        parked in different all-gathers, an all-to-all over sp and the pp collective-permute.
+        Behind the barrier every collective of the forward phase is issued after every
+        collective of the backward phase and its send, on every device; 0 of 3 runs aborted.
+        The price, on every backend: the cotangent's send no longer overlaps the forward (not
+        measured on a GPU; on CPU, with the barrier, pp 2 × 1F1B runs at 1.10× and 0.91× one
+        device without and with full remat, BENCHMARKS.md).
         """
         prog = copy.copy(self)
         params = (self.local, self.embed_p, self.head_p)
