@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from jaxpar.config import PIPELINE_MEMORY
 from jaxpar.errors import ConfigError
 
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
@@ -236,7 +237,7 @@ GENERATORS: dict[str, Callable[[int, int, int], list[list[Step]]]] = {
 }
 # Tables that cap the stashes below the fused table's, at the cost of lock-step makespan.
 LEAN: dict[str, Callable[[int, int, int], list[list[Step]]]] = {"1f1b": _1f1b_lean}
-MEMORY_MODES = ("fast", "lean")
+MEMORY_MODES = PIPELINE_MEMORY  # the layout field's values (jaxpar.config)
 DEFAULT_VIRTUAL = {"interleaved": 2, "zbv": 2, "dualpipev": 2}
 
 

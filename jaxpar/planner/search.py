@@ -154,10 +154,10 @@ def _leanest(model, hw, shape, tp, sp, pp, dp, n) -> tuple[LayoutConfig, dict] |
     for sp_mode in ("ulysses", "ring") if sp > 1 else ("ulysses",):
         for offload in ("params", "optimizer", "none"):
             for m in sorted({per_dp, 1} - {0}, reverse=True):
-                for kind, v, mem in PIPE_CHOICES if pp > 1 else NO_PIPE:
+                for kind, v, pipe_mem in PIPE_CHOICES if pp > 1 else NO_PIPE:
                     lay = base_layout(hw, tp, sp, pp, dp, zero=3 if dp > 1 else 0,
                                       remat="full", offload=offload, microbatches=m,
-                                      schedule=kind, virtual=v, pipeline_memory=mem,
+                                      schedule=kind, virtual=v, pipeline_memory=pipe_mem,
                                       sp_mode=sp_mode)  # fmt: skip
                     if not runnable(model, lay, shape, n):
                         continue
@@ -190,11 +190,11 @@ def candidates(
             continue
         per_dp = shape.global_batch // dp
         for b in [b for b in _divisors(per_dp) if b == 1 or b * shape.seq <= MAX_MB_TOKENS]:
-            for kind, v, mem in PIPE_CHOICES if pp > 1 else NO_PIPE:
+            for kind, v, pipe_mem in PIPE_CHOICES if pp > 1 else NO_PIPE:
                 for sp_mode in ("ulysses", "ring") if sp > 1 else ("ulysses",):
                     for zero in (0, 1, 2, 3) if dp > 1 else (0,):
                         kw = dict(zero=zero, microbatches=per_dp // b, schedule=kind, virtual=v,
-                                  pipeline_memory=mem, sp_mode=sp_mode)  # fmt: skip
+                                  pipeline_memory=pipe_mem, sp_mode=sp_mode)  # fmt: skip
                         yield from _first_fitting(model, hw, shape, n, tp, sp, pp, dp, kw, counter)
 
 
