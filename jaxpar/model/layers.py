@@ -141,8 +141,10 @@ class Attention(nnx.Module):
         o_BxSxHxDh = constrain(o_BxSxHxDh, ("batch", "seq", "heads", "head_dim"))
         rules = active_rules()
         if rules is not None and rules.attention == "ulysses":
-            # Ulysses' all-to-all back to sequence shards: kept, not re-run, in the backward
-            # (elsewhere the constraint moves nothing and the core's output is kept already).
+            # Ulysses' all-to-all back to sequence shards is this constraint (GSPMD places it
+            # here, not inside attention.ulysses: tagging there measured 48 all-to-alls per step
+            # instead of 32), so its tag follows it: kept, not re-run, in the backward.
+            # Elsewhere the constraint moves nothing and the core's output is kept already.
             o_BxSxHxDh = resharded(o_BxSxHxDh)
         # Row-parallel: contracting the tp-sharded heads gives partial sums -> one all-reduce
         # over tp (a reduce-scatter onto the sequence shards under Megatron-SP).
