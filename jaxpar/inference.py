@@ -170,7 +170,8 @@ def start(src: Source):
 
 
 def load_params(src: Source, shardings: Any) -> Any:
-    """The weights, read straight into ``shardings`` (e.g. ``Trainer.param_shardings``)."""
+    """The weights, in canonical form, read straight into ``shardings`` (e.g.
+    ``Trainer.canonical_param_shardings``)."""
     import jax
 
     if src.hf_dir is not None:

@@ -23,12 +23,14 @@ from jaxpar.config import LayoutConfig, ModelConfig
 
 LOGICAL_AXES = (
     "batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
-    "act_seq", "attn_seq", "attn_heads", "attn_kv_heads",
+    "act_seq", "attn_seq", "attn_heads", "attn_kv_heads", "stage",
 )  # fmt: skip
 """``act_seq``: the residual stream's sequence dim (``sp``, plus ``tp`` under Megatron-SP);
 ``seq``: the sequence dim inside a block, between column- and row-parallel matmuls (``sp``);
 ``attn_seq``/``attn_heads``/``attn_kv_heads``: the attention core's layout (Ulysses: full
-sequence, heads over ``tp`` then ``sp``; ring and plain: as inside the block)."""
+sequence, heads over ``tp`` then ``sp``; ring and plain: as inside the block); ``stage``: the
+leading ``[pp]`` slot dim of a pipeline's stage-owned embedding and head
+(:mod:`jaxpar.pipeline.rest`)."""
 
 ATTENTION_MODES = ("local", "ulysses", "ring")
 
@@ -99,8 +101,9 @@ def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
     else:
         attention = "ring" if sp > 1 else "local"
         attn_seq, attn_heads, shards = ("sp",), ("tp",), tp
-    # Pipeline: stacked layers split over pp at rest (rank r holds layers r·L/pp ...).
-    layers = (("layers", ("pp",)),) if layout.pp > 1 else ()
+    # Pipeline: stacked layers split over pp at rest (rank r holds layers r·L/pp ...), and the
+    # slot dim of the stage-owned embedding/head (jaxpar.pipeline.rest).
+    layers = (("layers", ("pp",)), ("stage", ("pp",))) if layout.pp > 1 else ()
     return Rules(
         (
             *layers,

@@ -15,10 +15,10 @@ fewer repeats). Parts (``--parts``, comma-separated; all by default):
   implies — each cross-rank send of ``f_send``/``b_send`` (:mod:`jaxpar.pipeline.tables`)
   moves one ``[b, s, d]`` activation or cotangent
   (:func:`jaxpar.planner.traffic.pp_message_bytes`), so the per-device wire bytes are
-  sends × message bytes / p. An all-gather over pp (weights moving) would show apart; the
-  pp-axis all-reduce that does show is the once-per-step sum of the embedding's, head's and
-  final norm's gradients (those parameters are replicated over pp at rest; listed in
-  ``other_pp_collectives``).
+  sends × message bytes / p. An all-gather over pp (weights moving) would show apart, and so
+  would an all-reduce of the embedding's or head's gradients (they are stage-owned at rest,
+  :mod:`jaxpar.pipeline.rest`, so none is expected); ``other_pp_collectives`` lists every
+  pp collective that is not a send (the scalar loss's sum).
 * ``flops``: XLA cost-analysis flops of the F, B, I and W branches of ZB-H1 and ZB-V
   (``bench_schedules.branch_flops``: a one-layer chunk scaled by the chunk's layers); target
   W, I ≤ 1.2 F (I keeps what each weight matmul's gradient needs; W computes only those).

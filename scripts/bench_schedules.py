@@ -127,7 +127,7 @@ def branch_flops(kind: str, v: int) -> dict[str, float]:
     lc = cfg.model.n_layers // (P * v)
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype),
                          tr.abstract_params["layers"])  # fmt: skip
-    head = tr.model.head_params(tr.abstract_params)
+    head = tr.model.head_params(tr.model.abstract())  # canonical: no stage slot
     b = BATCH // M
     x = jax.ShapeDtypeStruct((b, SEQ, cfg.model.d_model), jnp.float32)
     tg = jax.ShapeDtypeStruct((b, SEQ), jnp.int32)

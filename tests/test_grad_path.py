@@ -49,7 +49,7 @@ def grads(cfg: C.RunConfig):
     t = cfg.train
     batches = Batches(load_corpus("stdlib", 256), t.global_batch, t.seq_len, seed=3)
     loss, g = tr.grads(tr.init_state(0)["params"], batches.global_array(0, tr.batch_sharding))
-    return tr, float(loss), jax.tree.map(np.asarray, g)
+    return tr, float(loss), jax.tree.map(np.asarray, tr.convert(g, "canonical"))
 
 
 @cache

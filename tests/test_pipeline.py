@@ -12,7 +12,7 @@ p ∈ {2, 4}, m ∈ {4, 8}, v ∈ {1, 2}, and every layout below with ZeRO 0-3 �
   (per-micro-batch reduce-scatter of the split backward's pieces) and ZeRO 0 on interleaved
   v 2 m 4; dp 2 × sp 2 with ring attention and ZeRO 3 on 1F1B m 4, and Ulysses on GPipe m 4
   under ``remat full``; hybrid sharding (dp 4, dp_shard 2, ZeRO 3) on DualPipeV m 4;
-  optimizer offload on 1F1B m 2 (two steps).
+  optimizer offload on 1F1B m 2 (two steps); tied embeddings on 1F1B (dp 2) and ZB-V.
 
 The reference is one device without micro-batching (equal micro-batches: the mean of their
 means is the batch mean); inputs are real text, so a misrouted micro-batch or shard shows.
@@ -61,7 +61,7 @@ def loss_and_grads(cfg, hlo: bool = False):
         fn = jax.jit(tr.grads_fn, in_shardings=(tr.device_shardings["params"], tr.batch_sharding))
         compiled = fn.lower(params, batch).compile()
         loss, g = compiled(params, batch)
-    out = float(loss), jax.tree.map(np.asarray, tr.reorder_layers(g, "canonical"))
+    out = float(loss), jax.tree.map(np.asarray, tr.convert(g, "canonical"))
     return (*out, compiled.as_text(), tr.mesh) if hlo else out
 
 
@@ -120,6 +120,35 @@ def test_layout_with_pipeline_matches_single_device(make_cfg, name):
     rep = collective_bytes(text, mesh)
     in_ticks = {c.axes for c in rep.collectives if c.kind == "collective-permute" and c.trips != 1}
     assert in_ticks == {("pp",)}, in_ticks
+    # The embedding and head are stage-owned at rest: no gradient is summed over pp, only the
+    # scalar loss.
+    assert_no_pp_sum_but_the_loss(rep)
+
+
+def assert_no_pp_sum_but_the_loss(rep, allowed: float = 0.0):
+    """Every pp collective other than the pipeline's permutes moves at most the scalar loss
+    (plus ``allowed`` bytes)."""
+    other = [c for c in rep.collectives if "pp" in c.axes and c.kind != "collective-permute"]
+    assert sum(c.bytes for c in other) <= 8 + allowed, [(c.kind, c.bytes, c.axes) for c in other]
+
+
+@pytest.mark.parametrize("layout", [dict(schedule="1f1b", dp=2), dict(schedule="zbv", virtual=2)],
+                         ids=["1f1b-dp2", "zbv"])  # fmt: skip
+def test_tied_embeddings_with_a_pipeline(make_cfg, layout):
+    """Tied embeddings: the table is read by the first stage and the head; it stays replicated
+    over pp and its gradient, the sum of both uses, is the one pp all-reduce of the step.
+    (1F1B: the two ends on different ranks; ZB-V: both on rank 0.)"""
+
+    def tied(**kw):
+        cfg = tiny(make_cfg, **kw)
+        cfg.model.tied_embeddings = True
+        return cfg
+
+    loss, g, text, mesh = loss_and_grads(tied(pp=2, microbatches=4, **layout), hlo=True)
+    assert "w_out" not in g["head"]
+    assert_matches((loss, g), loss_and_grads(tied()))
+    table = g["embed"]["table"]
+    assert_no_pp_sum_but_the_loss(collective_bytes(text, mesh), allowed=table.nbytes)
 
 
 def test_tick_copies_no_buffer(make_cfg):
@@ -158,10 +187,10 @@ def test_interleaved_checkpoint_restores_on_other_layouts(make_cfg, tmp_path):
     canonical order: it restores under 1F1B, ZeRO-3 dp 8 and one device, and one written on
     one device restores under interleaved, to the same values."""
     inter = trainer_of(tiny(make_cfg, pp=2, schedule="interleaved", virtual=2, microbatches=4))
-    assert inter.layer_order is not None  # the stack at rest is not in canonical order
+    assert inter.rest.order is not None  # the stack at rest is not in canonical order
     # A distinct value per layer, so a misplaced layer shows; checkpoints hold canonical order
-    # (what the training loop writes: Trainer.reorder_layers(state, "canonical")).
-    canon = inter.reorder_layers(inter.init_state(0), "canonical")
+    # (what the training loop writes: Trainer.convert(state, "canonical")).
+    canon = inter.convert(inter.init_state(0), "canonical")
     canon["params"]["layers"] = jax.tree.map(
         lambda a: a + jnp.arange(8.0).reshape((8,) + (1,) * (a.ndim - 1)), canon["params"]["layers"]
     )
@@ -170,15 +199,25 @@ def test_interleaved_checkpoint_restores_on_other_layouts(make_cfg, tmp_path):
     ckpt.save(1, canon, {"model": {}}, force=True)
     for layout in (dict(pp=2, schedule="1f1b", microbatches=4), dict(dp=8, zero=3), dict()):
         tr = trainer_of(tiny(make_cfg, **layout))
-        got, _ = ckpt.restore(1, tr.abstract_state())
-        got = tr.reorder_layers(tr.reorder_layers(got, "rest"), "canonical")
+        got, _ = ckpt.restore(1, tr.canonical_abstract_state())
+        got = tr.convert(tr.convert(got, "rest"), "canonical")
         jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, got), want)
     # The reverse: written on one device, read under interleaved: its stack at rest is the
     # placement permutation of the canonical one.
-    back, _ = ckpt.restore(1, inter.abstract_state())
-    back = inter.reorder_layers(back, "rest")
+    back, _ = ckpt.restore(1, inter.canonical_abstract_state())
+    back = inter.convert(back, "rest")
     wq = np.asarray(back["params"]["layers"]["attn"]["wq"])
-    np.testing.assert_array_equal(wq, want["params"]["layers"]["attn"]["wq"][inter.layer_order])
+    np.testing.assert_array_equal(wq, want["params"]["layers"]["attn"]["wq"][inter.rest.order])
+    # Stage-owned leaves, params and Adam moments alike: the owner's slot holds the canonical
+    # value, the other slots zeros (embedding: rank 0; head: the last stage's rank, 1 here).
+    mu = lambda state: state["opt"][1][0].mu  # noqa: E731  (clip, then AdamW's moments)
+    for rest, canon in ((back["params"], want["params"]), (mu(back), mu(want))):
+        for key, owner in (("embed", 0), ("head", 1)):
+            for a, b in zip(jax.tree.leaves(rest[key]), jax.tree.leaves(canon[key]), strict=True):
+                a = np.asarray(a)
+                assert a.shape == (2, *b.shape)
+                np.testing.assert_array_equal(a[owner], b)
+                assert not np.any(a[1 - owner])
     ckpt.close()
 
 
@@ -189,7 +228,7 @@ def test_pipeline_evaluation_runs_forward_only(make_cfg):
     cfg = tiny(make_cfg, pp=2, dp=2, schedule="interleaved", virtual=2, microbatches=4)
     tr = trainer_of(cfg)
     canonical = ref.init_state(0)["params"]
-    params = tr.reorder_layers(tr.init_state(0)["params"], "canonical")
+    params = tr.convert(tr.init_state(0)["params"], "canonical")
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params),
                  jax.tree.map(np.asarray, canonical))  # fmt: skip
     want = float(ref.eval_loss(canonical, batch_of(ref)))

@@ -44,8 +44,8 @@ def evaluate(src, tokens, max_batches: int | None = None):
     n = batches.steps if max_batches is None else min(max_batches, batches.steps)
     mesh = inference.start(src)
     trainer = Trainer(src.cfg, mesh)
-    # Weights on disk are in canonical layer order; a pipeline keeps its placement order.
-    params = trainer.reorder_layers(inference.load_params(src, trainer.param_shardings), "rest")
+    # Weights on disk are in canonical form; a pipeline keeps its own form at rest.
+    params = trainer.convert(inference.load_params(src, trainer.canonical_param_shardings), "rest")
     t0 = time.perf_counter()
     losses = [
         float(trainer.eval_loss(params, batches.global_array(i, trainer.batch_sharding)))

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxpar.train.step import DTYPES, Trainer
 
     trainer = Trainer(src.cfg, mesh)
-    params = inference.load_params(src, trainer.param_shardings)
+    params = inference.load_params(src, trainer.canonical_param_shardings)  # canonical form
     gen = Generator(Model(m), mesh, trainer.rules, DTYPES[src.cfg.layout.compute_dtype])
     out = gen.generate(params, prompts, args.max_new_tokens, sampling, args.seed, tok.eos_id)
     completions = [

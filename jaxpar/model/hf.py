@@ -337,7 +337,7 @@ def load(directory: str | Path, cfg: ModelConfig, shardings: Any = None) -> Para
     """jaxpar params from a Hugging Face Llama directory, placed with ``shardings``.
 
     ``shardings`` is a tree of ``NamedSharding`` like the params (e.g.
-    ``Trainer.param_shardings``); without it the arrays go to the default device. A tensor
+    ``Trainer.canonical_param_shardings``); without it the arrays go to the default device. A tensor
     whose shape disagrees with ``cfg`` raises a one-line :class:`ConfigError` naming it.
     """
     import jax

@@ -75,8 +75,9 @@ def run_local(plan: Plan, model: PipelineModel, local: Any, embed_params: Any,
 
     ``local`` is this rank's ``[v, Lc, ...]`` layer tree, ``tokens``/``targets`` all
     micro-batches' rows of this dp rank. Returns ``(loss, d local, d embed, d head)`` — the
-    loss (mean over micro-batches) and the embed/head gradients summed over ``pp``, the chunk
-    gradients of this rank — or just the loss for a forward-only plan.
+    loss (mean over micro-batches, summed over ``pp``), and this rank's gradients: of its
+    chunks, of the embedding (nonzero on the first stage's rank only) and of the head (the last
+    stage's) — or just the loss for a forward-only plan.
     """
     prog = _Program(plan, model, local, embed_params, head_params, tokens_MxBxS, targets_MxBxS)
     me = jax.lax.axis_index("pp")
@@ -86,10 +87,9 @@ def run_local(plan: Plan, model: PipelineModel, local: Any, embed_params: Any,
     loss = jax.lax.psum(c["loss"], "pp")
     if not plan.training:
         return loss
-    # Only stage 0's rank holds embedding gradients and only the last stage's head gradients;
-    # the other pp ranks contribute zeros.
-    d_embed, d_head = jax.lax.psum((c["acc_embed"], c["acc_head"]), "pp")
-    return loss, c["acc"], d_embed, d_head
+    # Not summed over pp: the embedding and head are stage-owned at rest
+    # (jaxpar.pipeline.rest), so each gradient stays on the rank that computed it.
+    return loss, c["acc"], c["acc_embed"], c["acc_head"]
 
 
 class _Program:

@@ -9,13 +9,12 @@ Gradients leave unreduced over dp; the caller reduces them once as the ZeRO stag
 (ZeRO-2: every micro-batch, inside the backward branch). :meth:`PipelineRun.local_loss` is the
 forward-only schedule for evaluation.
 
-**Layers at rest in placement order.** ``params["layers"]`` is stacked ``[L, ...]`` and
-sharded over ``pp`` on ``L``; the stack is stored in the placement order of the layout's
-schedule (:func:`layer_order`): rank ``r``'s rows are its chunks in ascending stage order. So
-the arrangement ``[p, v, L/(p·v), ...]`` the executor reads is a free reshape of the
-pp-sharded array for every schedule — interleaved and V placements move no weights in a step.
-Where order is visible, the stack is converted to canonical order and back
-(:func:`to_canonical`, :func:`to_rest`): checkpoints, Hugging Face import/export, inference.
+**The form at rest** (:mod:`jaxpar.pipeline.rest`): the layer stack ``[L, ...]`` is sharded
+over ``pp`` in placement order, so the arrangement ``[p, v, L/(p·v), ...]`` the executor reads
+is a free reshape; the embedding and the head are stage-owned ``[pp, ...]`` leaves whose live
+slot sits on the rank that uses them, so their gradients need no ``pp`` collective. Inside the
+region a rank sees its ``[1, ...]`` slot; the reduction's dims of those leaves are taken one
+lower for the hooks that see the slot itself (:attr:`PipelineRun.ctx`).
 """
 
 from __future__ import annotations
@@ -26,16 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.pipeline.executor import PipelineModel, Plan, run_local
-from jaxpar.pipeline.generators import placement_for
+from jaxpar.pipeline.rest import RestLayout
 from jaxpar.pipeline.stage import StagePieces
 from jaxpar.train.remat import remat_of
 
 if TYPE_CHECKING:
-    from jaxpar.config import LayoutConfig
     from jaxpar.train.grads import GradContext
     from jaxpar.train.reduce import DPReduction
 
@@ -49,48 +46,16 @@ def plan_for(kind: str, p: int, m: int, v: int, n_layers: int, forward_only=Fals
     return Plan.make(kind, p, m, v, n_layers, forward_only, memory)
 
 
-def layer_order(layout: LayoutConfig, n_layers: int) -> np.ndarray | None:
-    """Canonical layer index at each position of the stack at rest; None when the two orders
-    agree (no pipeline, or one stage per rank)."""
-    if layout.pp <= 1:
-        return None
-    place = placement_for(layout.schedule, layout.pp, layout.virtual)
-    lc = n_layers // len(place)
-    stages = [s for r in range(layout.pp) for s, q in enumerate(place) if q == r]
-    order = np.array([s * lc + i for s in stages for i in range(lc)], np.int32)
-    return None if np.all(order == np.arange(n_layers)) else order
-
-
-def _permute(tree: Any, index: np.ndarray | None) -> Any:
-    """Every leaf under a ``layers`` key (params, optimizer moments) reindexed on its first
-    dim; other leaves untouched. Run under jit with the state's shardings (a collective over
-    ``pp``: only where order is visible, never in a step)."""
-    if index is None:
-        return tree
-
-    def one(path, x):
-        under = any(isinstance(k, jax.tree_util.DictKey) and k.key == "layers" for k in path)
-        return jnp.take(x, index, axis=0) if under and getattr(x, "ndim", 0) else x
-
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
-def to_canonical(tree: Any, order: np.ndarray | None) -> Any:
-    """Layer stacks at rest (placement order) -> canonical order."""
-    return _permute(tree, None if order is None else np.argsort(order))
-
-
-def to_rest(tree: Any, order: np.ndarray | None) -> Any:
-    """Layer stacks in canonical order -> at rest (placement order)."""
-    return _permute(tree, order)
-
-
 class PipelineRun:
     """One step's pipeline: arrangement of the layer stack, specs, and the per-rank body."""
 
     def __init__(self, ctx: GradContext, forward_only: bool = False):
         lay = ctx.layout
-        self.ctx = ctx
+        self.rest = RestLayout.of(lay, ctx.model.cfg)
+        self._rest_reduction = ctx.reduction  # dims and specs of the leaves at rest
+        # Inside the region the hooks (ZeRO-3 gathers, ZeRO-2 scatters) see an owned leaf's
+        # slot, one dim fewer than at rest.
+        self.ctx = dataclasses.replace(ctx, reduction=self._slot_reduction(ctx.reduction))
         self.plan = plan_for(lay.schedule, lay.pp, lay.microbatches, lay.virtual,
                              ctx.model.cfg.n_layers, forward_only,
                              lay.pipeline_memory)  # fmt: skip
@@ -113,10 +78,27 @@ class PipelineRun:
         return dict(grads, layers=jax.tree.map(flat, grads["layers"]))
 
     def lead_specs(self, ndims: Any) -> Any:
-        """Per leaf, the manual axes of the leading dims: ``pp`` on the arranged rank dim."""
-        out = jax.tree.map(lambda _: (), ndims)
-        out["layers"] = jax.tree.map(lambda _: ("pp",), ndims["layers"])
+        """Per leaf, the manual axes of the leading dims: ``pp`` on the arranged rank dim of
+        the layer stack and on the slot dim of the stage-owned leaves."""
+        out = {}
+        for k, t in ndims.items():
+            lead = ("pp",) if k == "layers" or self._owned(k) else ()
+            out[k] = jax.tree.map(lambda _, lead=lead: lead, t)
         return out
+
+    def _owned(self, key: str) -> bool:
+        return self.rest.owner(key) is not None
+
+    def _slot_reduction(self, red: DPReduction) -> DPReduction:
+        """``red`` with each owned leaf's dims and specs taken without its slot dim."""
+        down = lambda d: d if d < 0 else d - 1  # noqa: E731
+        is_p = lambda x: isinstance(x, P)  # noqa: E731
+        dims, specs = dict(red.dims), dict(red.auto_specs)
+        for k in dims:
+            if self._owned(k):
+                dims[k] = jax.tree.map(down, dims[k])
+                specs[k] = jax.tree.map(lambda s: P(*tuple(s)[1:]), specs[k], is_leaf=is_p)
+        return dataclasses.replace(red, dims=dims, auto_specs=specs)
 
     def arranged_ndims(self, ndims: Any) -> Any:
         """Ranks of the arranged params."""
@@ -124,7 +106,7 @@ class PipelineRun:
 
     def arranged_reduction(self) -> DPReduction:
         """The reduction with the layer dims shifted to the arranged layout."""
-        red = self.ctx.reduction
+        red = self._rest_reduction
         shift = lambda d: d if d < 0 else d + ARRANGED_LEAD  # noqa: E731
         dims = dict(red.dims, layers=jax.tree.map(shift, red.dims["layers"]))
         lead = lambda s: P(None, None, *s)  # noqa: E731
@@ -180,23 +162,29 @@ class PipelineRun:
         )
 
     def _split_params(self, params: Any):
-        model = self.ctx.model
-        local = jax.tree.map(lambda a: a[0], params["layers"])  # [v, Lc, ...]
-        return local, params["embed"], model.head_params(params)
+        """This rank's ``[v, Lc, ...]`` layers, and the embedding and head params it reads
+        (owned leaves: this rank's slot; zeros unless it is the owner)."""
+        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+        ends = {k: first(t) if self._owned(k) else t for k, t in params.items() if k != "layers"}
+        return first(params["layers"]), ends["embed"], self.ctx.model.head_params(ends)
 
     def local(self, params: Any, tokens_BxS: jax.Array, targets_BxS: jax.Array):
-        """Loss and unreduced gradients of this rank's rows through the schedule."""
+        """Loss and unreduced gradients of this rank's rows through the schedule: owned leaves'
+        gradients in this rank's slot (zeros unless it owns them), no sum over ``pp``."""
         red = self.ctx.reduction
         loss, d_local, d_embed, d_head = self._run(params, tokens_BxS, targets_BxS)
         grads = dict(d_head)
-        grads["embed"] = jax.tree.map(jnp.add, d_head["embed"], d_embed) if "embed" in d_head \
-            else d_embed  # fmt: skip
-        grads["layers"] = jax.tree.map(lambda a: a[None], d_local)
+        if "embed" in d_head:  # tied: the table's two uses, on the first and the last stage
+            grads["embed"] = jax.lax.psum(jax.tree.map(jnp.add, d_head["embed"], d_embed), "pp")
+        else:
+            grads["embed"] = d_embed
         if red.stage == 2:  # head/embed grads were not scattered per micro-batch
-            rest = {k: v for k, v in grads.items() if k != "layers"}
-            sub = dataclasses.replace(red, dims={k: red.dims[k] for k in rest},
-                                      auto_specs={k: red.auto_specs[k] for k in rest})  # fmt: skip
-            grads.update(sub.per_microbatch(rest))
+            sub = dataclasses.replace(red, dims={k: red.dims[k] for k in grads},
+                                      auto_specs={k: red.auto_specs[k] for k in grads})  # fmt: skip
+            grads.update(sub.per_microbatch(grads))
+        slot = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
+        grads = {k: slot(t) if self._owned(k) else t for k, t in grads.items()}
+        grads["layers"] = slot(d_local)
         return loss, grads
 
     def local_loss(self, params: Any, tokens_BxS: jax.Array, targets_BxS: jax.Array):

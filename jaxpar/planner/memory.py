@@ -18,9 +18,9 @@ all call. Breakdown (bytes on the most loaded device; ``host`` apart):
   gathered weights of the layer being computed.
 * ``head``: the loss's fp32 logits-sized buffers (``dense``), or a chunk of them.
 * ``pipeline``: the executor's message slots, the stash-sized sets a tick holds beyond the
-  schedule's peak (``Executor.tick_stashes``), and the replicated head/embedding gradient
-  accumulator (pp > 1; stage 0 embeds each micro-batch in its forward, so no embedded batch
-  is held).
+  schedule's peak (``Executor.tick_stashes``), and the head/embedding gradient accumulators
+  (pp > 1: every rank carries one slot of each, live on its owner, :mod:`jaxpar.pipeline.rest`;
+  stage 0 embeds each micro-batch in its forward, so no embedded batch is held).
 
 The ``XLA_*`` constants are what XLA's buffer assignment adds over the counted tensors; they
 were calibrated once on one device (15 compiles of the test model varying layers, vocabulary,

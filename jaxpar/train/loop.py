@@ -93,20 +93,20 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         with StopRequest(multi_process=jax.process_count() > 1) as stop:
             start, meta = 0, {}
             if resume_step is not None:
-                abstract = trainer.abstract_state()
+                abstract = trainer.canonical_abstract_state()  # what checkpoints hold
                 ckpt.check_shapes(resume_step, abstract)  # names the parameter and both shapes
                 meta = ckpt.read_meta(resume_step)
                 check_model_matches(meta, cfg.model)
                 _warn_data_changes(meta, cfg)
                 # Read straight into this run's shardings, whatever layout wrote the checkpoint.
                 state, meta = ckpt.restore(resume_step, abstract)
-                state = trainer.reorder_layers(state, "rest")  # checkpoints: canonical order
+                state = trainer.convert(state, "rest")
                 start = int(meta.get("data_position", resume_step))
             else:
                 state = trainer.init_state(t.seed)
                 if t.init_from_hf:
-                    params = hf.load(t.init_from_hf, cfg.model, trainer.param_shardings)
-                    state["params"] = trainer.reorder_layers(params, "rest")
+                    params = hf.load(t.init_from_hf, cfg.model, trainer.canonical_param_shardings)
+                    state["params"] = trainer.convert(params, "rest")
             div = Divergence(t.max_skipped_steps, t.divergence_factor, meta.get("first_loss"),
                              int(meta.get("diverged_steps", 0)))  # fmt: skip
             out = _train(
@@ -249,8 +249,8 @@ def _train(
             # written (they keep the data position).
             force = done == t.steps or stop_now
             if ckpt is not None and (force or not why) and ckpt.due(done, force):
-                # Checkpoints hold canonical layer order, whatever the layout's placement.
-                canonical = trainer.reorder_layers(state, "canonical")
+                # Checkpoints hold the canonical form, whatever the layout's form at rest.
+                canonical = trainer.convert(state, "canonical")
                 if ckpt.save(
                     done, canonical, _meta(cfg, done, div, batches.corpus.tokenizer), force=force
                 ):
@@ -263,7 +263,7 @@ def _train(
         if t.export_hf:
             from jaxpar.model import hf
 
-            hf.export(trainer.reorder_layers(state["params"], "canonical"), cfg.model, t.export_hf)
+            hf.export(trainer.convert(state["params"], "canonical"), cfg.model, t.export_hf)
     finally:  # also on an error (e.g. a failed save): flush metrics, release files
         progress.close()
         profiler.close()

@@ -19,7 +19,7 @@ from jaxpar import sharding as shd
 from jaxpar.config import RunConfig, TrainConfig
 from jaxpar.errors import ConfigError
 from jaxpar.model import Model
-from jaxpar.pipeline.grads import layer_order, to_canonical, to_rest
+from jaxpar.pipeline.rest import STAGE_AXIS, RestLayout
 from jaxpar.train.grads import GradContext, loss_and_grads, mean_loss, microbatch_split
 from jaxpar.train.guard import inject_nonfinite
 from jaxpar.train.reduce import DPReduction
@@ -42,7 +42,7 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
 def make_optimizer(t: TrainConfig, logical_axes: Any) -> optax.GradientTransformation:
     """AdamW with global-norm clipping; no weight decay on norm scales."""
     decay_mask = jax.tree.map(
-        lambda ax: bool(set(ax) - {"layers", "embed"}),
+        lambda ax: bool(set(ax) - {"layers", STAGE_AXIS, "embed"}),
         logical_axes,
         is_leaf=lambda x: isinstance(x, tuple),
     )
@@ -84,10 +84,15 @@ class Trainer:
         lay = cfg.layout
         check_platform(cfg, mesh.devices.flat)
         self.rules = shd.rules_for(cfg.model, lay)
-        self.logical = self.model.logical_axes()
+        # Pipelines store the model in their own form at rest (layer stack in placement order,
+        # stage-owned embedding and head: jaxpar.pipeline.rest); checkpoints, Hugging Face
+        # weights and inference see the canonical form (:meth:`convert`).
+        self.rest = RestLayout.of(lay, cfg.model)
+        self.logical = self.rest.rest_logical(self.model.logical_axes())
         self.param_dtype = DTYPES[lay.param_dtype]
         self.abstract_params = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, self.param_dtype), self.model.abstract()
+            lambda a: jax.ShapeDtypeStruct(a.shape, self.param_dtype),
+            self.rest.rest_shapes(self.model.abstract()),
         )
         shapes = jax.tree.map(lambda a: a.shape, self.abstract_params)
         stage = shd.StageSharding.of(lay.zero)
@@ -109,9 +114,6 @@ class Trainer:
             abstract=self.abstract_params,
             compute_dtype=self.compute_dtype,
         )
-        # Pipelines keep the layer stack in their placement order (jaxpar.pipeline.grads);
-        # checkpoints, Hugging Face weights and inference see canonical order.
-        self.layer_order = layer_order(lay, cfg.model.n_layers)
         self.tx = make_optimizer(cfg.train, self.logical)
         opt_abstract = jax.eval_shape(self.tx.init, self.abstract_params)
         self.opt_specs = shd.match_param_tree(opt_abstract, self.moment_specs)
@@ -162,7 +164,7 @@ class Trainer:
 
     def _init_fn(self, key: jax.Array) -> State:
         params = jax.tree.map(lambda x: x.astype(self.param_dtype), self.model.init(key))
-        params = to_rest(params, self.layer_order)
+        params = self.rest.to_rest(params)
         return {"params": params, "opt": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     def loss_fn(self, params, batch_BxT) -> jax.Array:
@@ -221,19 +223,31 @@ class Trainer:
         stack.enter_context(shd.use_rules(self.rules))
         return stack
 
-    def reorder_layers(self, tree: Any, to: str) -> Any:
-        """A state or params tree with its layer stacks in ``to`` order: ``"canonical"`` (what
-        checkpoints, Hugging Face weights and inference hold) or ``"rest"`` (this layout's
-        placement order). The identity unless the layout's placement permutes layers."""
-        if self.layer_order is None:
+    def convert(self, tree: Any, to: str) -> Any:
+        """A state, params or gradient tree (in this trainer's shardings) in form ``to``:
+        ``"canonical"`` (what checkpoints, Hugging Face weights and inference hold) or
+        ``"rest"`` (this layout's form at rest, :mod:`jaxpar.pipeline.rest`). The identity
+        unless a pipeline permutes the layers or owns the embedding/head."""
+        if self.rest.identity:
             return tree
-        fn = {"canonical": to_canonical, "rest": to_rest}[to]
-        shardings = jax.tree.map(lambda x: x.sharding, tree)
-        on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+        fn = {"canonical": self.rest.to_canonical, "rest": self.rest.to_rest}[to]
+        shardings = self.rest.shardings(jax.tree.map(lambda x: x.sharding, tree), to)
+        device = lambda t: jax.tree.map(lambda s: s.with_memory_kind("device"), t)  # noqa: E731
         with self._ctx():
-            moved = jax.device_put(tree, on_device)  # offloaded trees come back for the take
-            out = jax.jit(lambda t: fn(t, self.layer_order), out_shardings=on_device)(moved)
+            moved = jax.device_put(tree, device(jax.tree.map(lambda x: x.sharding, tree)))
+            out = jax.jit(fn, out_shardings=device(shardings))(moved)  # offloaded: back after
             return jax.device_put(out, shardings)
+
+    def canonical_abstract_state(self) -> State:
+        """:meth:`abstract_state` in canonical form: a checkpoint's restore target (read it,
+        then :meth:`convert` it to ``"rest"``)."""
+        return self.rest.canonical_abstract(self.abstract_state())
+
+    @property
+    def canonical_param_shardings(self):
+        """Shardings of the parameters in canonical form (loading weights written elsewhere;
+        :meth:`convert` them to ``"rest"``)."""
+        return self.rest.shardings(self.param_shardings, "canonical")
 
     def init_state(self, seed: int) -> State:
         """Fresh state, created directly in its shardings (identical values on any layout)."""
