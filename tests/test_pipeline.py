@@ -245,7 +245,7 @@ def test_optimizer_offload_with_a_pipeline(make_cfg):
     losses and gradient norms as on the device, step after step."""
 
     def trajectory(**layout):
-        tr = trainer_of(tiny(make_cfg, pp=2, dp=2, microbatches=2, **layout))
+        tr = trainer_of(tiny(make_cfg, pp=2, microbatches=2, **layout))
         state, out = tr.init_state(0), []
         for _ in range(2):
             state, m = tr.step(state, batch_of(tr))
