@@ -438,9 +438,9 @@ def test_sigterm_to_one_process_stops_all_at_one_step(tmp_path, make_cfg, model_
     cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--local", "2", "--devices-per-process",
            "2", "--timeout", "300", "--", "train", "--model", str(model_yaml), "--dp", "4",
            "--tp", "1", "--pp", "1", "--devices", "4", "--microbatches", "1",
-           "--global-batch", "16", "--seq-len", "32", "--steps", str(steps), "--eval-every", "0", "--no-progress",
-           "--data", "synthetic", "-o", "train.warmup_steps=2", "--checkpoint-dir", str(d),
-           "--checkpoint-every", "1000", "--json"]  # fmt: skip
+           "--global-batch", "16", "--seq-len", "32", "--steps", str(steps), "--eval-every", "0",
+           "--no-progress", "--data", "synthetic", "-o", "train.warmup_steps=2",
+           "--checkpoint-dir", str(d), "--checkpoint-every", "1000", "--json"]  # fmt: skip
     kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
               start_new_session=True)  # fmt: skip
     launch = subprocess.Popen(cmd, **kw)
