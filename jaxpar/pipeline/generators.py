@@ -237,7 +237,6 @@ GENERATORS: dict[str, Callable[[int, int, int], list[list[Step]]]] = {
 }
 # Tables that cap the stashes below the fused table's, at the cost of lock-step makespan.
 LEAN: dict[str, Callable[[int, int, int], list[list[Step]]]] = {"1f1b": _1f1b_lean}
-MEMORY_MODES = PIPELINE_MEMORY  # the layout field's values (jaxpar.config)
 DEFAULT_VIRTUAL = {"interleaved": 2, "zbv": 2, "dualpipev": 2}
 
 
@@ -251,8 +250,10 @@ def check_arguments(kind: str, p: int, m: int, v: int | None = None, memory: str
     resolved v."""
     if kind not in GENERATORS:
         raise ConfigError(f"schedule={kind!r}: unknown schedule, choose one of {', '.join(KINDS)}")
-    if memory not in MEMORY_MODES:
-        raise ConfigError(f"pipeline_memory={memory!r}: must be one of {', '.join(MEMORY_MODES)}")
+    if memory not in PIPELINE_MEMORY:
+        raise ConfigError(
+            f"pipeline_memory={memory!r}: must be one of {', '.join(PIPELINE_MEMORY)}"
+        )
     if memory == "lean" and kind not in LEAN:
         raise ConfigError(
             f"pipeline_memory='lean': schedule {kind!r} has no lean table, only "

@@ -91,14 +91,7 @@ class PipelineRun:
 
     def _slot_reduction(self, red: DPReduction) -> DPReduction:
         """``red`` with each owned leaf's dims and specs taken without its slot dim."""
-        down = lambda d: d if d < 0 else d - 1  # noqa: E731
-        is_p = lambda x: isinstance(x, P)  # noqa: E731
-        dims, specs = dict(red.dims), dict(red.auto_specs)
-        for k in dims:
-            if self._owned(k):
-                dims[k] = jax.tree.map(down, dims[k])
-                specs[k] = jax.tree.map(lambda s: P(*tuple(s)[1:]), specs[k], is_leaf=is_p)
-        return dataclasses.replace(red, dims=dims, auto_specs=specs)
+        return _lead_dims(red, [k for k in red.dims if self._owned(k)], -1)
 
     def arranged_ndims(self, ndims: Any) -> Any:
         """Ranks of the arranged params."""
@@ -106,15 +99,7 @@ class PipelineRun:
 
     def arranged_reduction(self) -> DPReduction:
         """The reduction with the layer dims shifted to the arranged layout."""
-        red = self._rest_reduction
-        shift = lambda d: d if d < 0 else d + ARRANGED_LEAD  # noqa: E731
-        dims = dict(red.dims, layers=jax.tree.map(shift, red.dims["layers"]))
-        lead = lambda s: P(None, None, *s)  # noqa: E731
-        is_p = lambda x: isinstance(x, P)  # noqa: E731
-        specs = dict(
-            red.auto_specs, layers=jax.tree.map(lead, red.auto_specs["layers"], is_leaf=is_p)
-        )
-        return dataclasses.replace(red, dims=dims, auto_specs=specs)
+        return _lead_dims(self._rest_reduction, ["layers"], ARRANGED_LEAD)
 
     # ---- inside the region (manual over pp and dp) -----------------------------------------
 
@@ -206,3 +191,16 @@ class PipelineRun:
             microbatch_split(tokens_BxS, m),
             microbatch_split(targets_BxS, m),
         )
+
+
+def _lead_dims(red: DPReduction, keys: list[str], n: int) -> DPReduction:
+    """``red`` with ``n`` leading dims added (``n > 0``, unsharded) or dropped (``n < 0``) on
+    the leaves under the top-level ``keys``: its ZeRO dims and automatic specs follow."""
+    shift = lambda d: d if d < 0 else d + n  # noqa: E731
+    lead = (lambda s: P(*(None,) * n, *s)) if n > 0 else (lambda s: P(*tuple(s)[-n:]))
+    is_p = lambda x: isinstance(x, P)  # noqa: E731
+    dims, specs = dict(red.dims), dict(red.auto_specs)
+    for k in keys:
+        dims[k] = jax.tree.map(shift, dims[k])
+        specs[k] = jax.tree.map(lead, specs[k], is_leaf=is_p)
+    return dataclasses.replace(red, dims=dims, auto_specs=specs)

@@ -128,9 +128,10 @@ class RestLayout:
     # ---- shapes, shardings, logical axes ----------------------------------------------------
 
     def rest_shapes(self, tree: Any) -> Any:
-        """ShapeDtypeStructs (shardings dropped) of :meth:`to_rest` of ``tree``."""
-        return self._map(tree, _struct, lambda x, r: jax.ShapeDtypeStruct((self.pp, *x.shape),
-                                                                           x.dtype))  # fmt: skip
+        """ShapeDtypeStructs of :meth:`to_rest` of ``tree`` (owned leaves without a sharding)."""
+        return self._map(
+            tree, lambda x: x, lambda x, r: jax.ShapeDtypeStruct((self.pp, *x.shape), x.dtype)
+        )
 
     def rest_logical(self, logical: Any) -> Any:
         """Logical axes at rest: owned leaves lead with :data:`STAGE_AXIS`."""
@@ -140,7 +141,6 @@ class RestLayout:
     def shardings(self, shardings: Any, to: str) -> Any:
         """``NamedSharding``s of a tree converted ``to`` ``"rest"`` or ``"canonical"``: an
         owned leaf gains (loses) ``pp`` on its leading dim; the others keep theirs."""
-
         return self._map(shardings, lambda s: s, lambda s, r: _owned_sharding(s, to))
 
     def canonical_abstract(self, abstract: Any) -> Any:
@@ -162,7 +162,3 @@ def _owned_sharding(s: NamedSharding, to: str) -> NamedSharding:
 
 def _take(x: Any, index: np.ndarray | None) -> Any:
     return x if index is None or not getattr(x, "ndim", 0) else jnp.take(x, index, axis=0)
-
-
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)

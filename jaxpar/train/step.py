@@ -231,12 +231,13 @@ class Trainer:
         if self.rest.identity:
             return tree
         fn = {"canonical": self.rest.to_canonical, "rest": self.rest.to_rest}[to]
-        shardings = self.rest.shardings(jax.tree.map(lambda x: x.sharding, tree), to)
+        source = jax.tree.map(lambda x: x.sharding, tree)
+        target = self.rest.shardings(source, to)
         device = lambda t: jax.tree.map(lambda s: s.with_memory_kind("device"), t)  # noqa: E731
         with self._ctx():
-            moved = jax.device_put(tree, device(jax.tree.map(lambda x: x.sharding, tree)))
-            out = jax.jit(fn, out_shardings=device(shardings))(moved)  # offloaded: back after
-            return jax.device_put(out, shardings)
+            moved = jax.device_put(tree, device(source))  # offloaded trees: on the device here
+            out = jax.jit(fn, out_shardings=device(target))(moved)
+            return jax.device_put(out, target)
 
     def canonical_abstract_state(self) -> State:
         """:meth:`abstract_state` in canonical form: a checkpoint's restore target (read it,
