@@ -192,6 +192,10 @@ def test_interleaved_checkpoint_restores_on_other_layouts(make_cfg, tmp_path):
     canon["params"]["layers"] = jax.tree.map(
         lambda a: a + jnp.arange(8.0).reshape((8,) + (1,) * (a.ndim - 1)), canon["params"]["layers"]
     )
+    # Adam's first moment is zero at init: give it values, so its owner slots are checked too.
+    adam = canon["opt"][1][0]
+    canon["opt"] = (canon["opt"][0], (adam._replace(mu=jax.tree.map(lambda a: a + 1.0, adam.mu)),
+                                      *canon["opt"][1][1:]))  # fmt: skip
     want = jax.tree.map(np.asarray, canon)
     ckpt = Checkpointer(tmp_path / "ck", every=1)
     ckpt.save(1, canon, {"model": {}}, force=True)
@@ -209,6 +213,7 @@ def test_interleaved_checkpoint_restores_on_other_layouts(make_cfg, tmp_path):
     # Stage-owned leaves, params and Adam moments alike: the owner's slot holds the canonical
     # value, the other slots zeros (embedding: rank 0; head: the last stage's rank, 1 here).
     mu = lambda state: state["opt"][1][0].mu  # noqa: E731  (clip, then AdamW's moments)
+    assert all(np.all(np.asarray(a) != 0) for a in jax.tree.leaves(mu(want)))
     for rest, canon in ((back["params"], want["params"]), (mu(back), mu(want))):
         for key, owner in (("embed", 0), ("head", 1)):
             for a, b in zip(jax.tree.leaves(rest[key]), jax.tree.leaves(canon[key]), strict=True):
