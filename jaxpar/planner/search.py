@@ -46,6 +46,16 @@ PIPE_CHOICES = (  # (schedule, virtual, pipeline_memory)
     ("dualpipev", 2, "fast"),
 )
 NO_PIPE = (("1f1b", 1, "fast"),)
+
+
+def pipe_choices(pp: int) -> tuple[tuple[str, int, str], ...]:
+    """The (schedule, virtual, pipeline_memory) choices worth trying at ``pp`` ranks: lean 1F1B
+    only past 2 ranks (at ``pp <= 2`` its table is the fast one, a duplicate candidate)."""
+    if pp <= 1:
+        return NO_PIPE
+    return tuple(c for c in PIPE_CHOICES if pp > 2 or c[2] != "lean")
+
+
 REMATS = ("none", "selective", "full")
 
 
@@ -154,7 +164,7 @@ def _leanest(model, hw, shape, tp, sp, pp, dp, n) -> tuple[LayoutConfig, dict] |
     for sp_mode in ("ulysses", "ring") if sp > 1 else ("ulysses",):
         for offload in ("params", "optimizer", "none"):
             for m in sorted({per_dp, 1} - {0}, reverse=True):
-                for kind, v, pipe_mem in PIPE_CHOICES if pp > 1 else NO_PIPE:
+                for kind, v, pipe_mem in pipe_choices(pp):
                     lay = base_layout(hw, tp, sp, pp, dp, zero=3 if dp > 1 else 0,
                                       remat="full", offload=offload, microbatches=m,
                                       schedule=kind, virtual=v, pipeline_memory=pipe_mem,
@@ -190,7 +200,7 @@ def candidates(
             continue
         per_dp = shape.global_batch // dp
         for b in [b for b in _divisors(per_dp) if b == 1 or b * shape.seq <= MAX_MB_TOKENS]:
-            for kind, v, pipe_mem in PIPE_CHOICES if pp > 1 else NO_PIPE:
+            for kind, v, pipe_mem in pipe_choices(pp):
                 for sp_mode in ("ulysses", "ring") if sp > 1 else ("ulysses",):
                     for zero in (0, 1, 2, 3) if dp > 1 else (0,):
                         kw = dict(zero=zero, microbatches=per_dp // b, schedule=kind, virtual=v,
