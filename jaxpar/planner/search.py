@@ -6,7 +6,7 @@ layouts the trainer accepts (and, when the trainer learns a new combination, pro
 
 The space: tp (powers of two dividing the head count, up to two nodes), sp (Ulysses or ring),
 pp (dividing the layers and the devices left), dp the rest; for pipelines every schedule with
-its allowed virtual stages (1F1B in both memory modes); ZeRO 0–3; the micro-batch size
+its allowed virtual stages (1F1B in both memory modes from pp 3 on); ZeRO 0–3; the micro-batch size
 (divisors of the per-dp batch up to ``MAX_MB_TOKENS`` tokens, and 1); Megatron sequence
 parallelism with tp; remat and offload.
 Pruning, so that a 1024-device cluster answers in seconds:
