@@ -70,17 +70,20 @@ BATCH, SEQ = 32, 64
 COMPILED = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2, "dualpipev": 2}
 # Rows of the compiled part: name -> (schedule, virtual, pipeline_memory).
 ROWS = {k: (k, v, "fast") for k, v in COMPILED.items()} | {"1f1b-lean": ("1f1b", 1, "lean")}
+# (virtual, pipeline_memory) variants of the table part; (1, "fast") for the other schedules.
+TABLE_VARIANTS = {
+    "1f1b": ((1, "fast"), (1, "lean")),
+    "interleaved": ((1, "fast"), (2, "fast")),
+    "zbv": ((2, "fast"),),
+    "dualpipev": ((2, "fast"),),
+}
 
 
 def table() -> list[dict]:
     """Async and lock-step makespans and peak stashes of every schedule (pure Python)."""
     rows = []
     for kind in KINDS:
-        for v, mem in (
-            ((1, "fast"), (2, "fast")) if kind == "interleaved"
-            else ((2, "fast"),) if kind in ("zbv", "dualpipev")
-            else ((1, "fast"), (1, "lean")) if kind == "1f1b" else ((1, "fast"),)
-        ):  # fmt: skip
+        for v, mem in TABLE_VARIANTS.get(kind, ((1, "fast"),)):
             for p in (2, 4, 8):
                 for m in (8, 16, 32):
                     try:
