@@ -16,7 +16,9 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
   Backward is explicit (:mod:`jaxpar.pipeline.stage`): never autodiff through a switch.
 * **Nothing replicated that one rank uses**: stage 0 embeds each micro-batch's tokens in its
   forward and takes the embedding's gradient in its backward; the last stage runs the head and
-  loss. Only tokens and targets enter every rank.
+  loss. Only tokens and targets enter every rank; the embedding and head parameters arrive as
+  this rank's slot of their stage-owned stacks (:mod:`jaxpar.pipeline.rest`), so their
+  gradients leave unsummed over ``pp``.
 * **Nothing copied that a tick does not touch**: the branches return only the values of their
   own action (one message, one stash's leaves, one chunk's gradient); the buffers enter the
   backward's switch read-only and are written after it, in place in the scan carry, each write
