@@ -62,6 +62,7 @@ def _env(**extra):
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
         JAX_COMPILATION_CACHE_DIR=_CACHE["dir"],
+        JAX_ENABLE_COMPILATION_CACHE="true",  # conftest turns it off for the test processes
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
     )

@@ -220,6 +220,7 @@ def cli(tmp_path_factory):
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(REPO),
         JAX_COMPILATION_CACHE_DIR=str(root / "jax-cache"),
+        JAX_ENABLE_COMPILATION_CACHE="true",  # conftest turns it off for the test processes
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
     )
