@@ -24,10 +24,15 @@ def simulate_cpu_devices(n: int) -> None:
     """Make JAX expose ``n`` CPU devices; call before any JAX computation.
 
     When JAX is already initialised with a different count this raises a :class:`ConfigError`
-    explaining how to restart (in a notebook: restart the kernel and call this first).
+    explaining how to restart (in a notebook: restart the kernel and call this first). It also
+    makes the host allocator keep XLA CPU's per-execution buffers between steps
+    (:func:`jaxpar.hostmem.keep_host_buffers`).
     """
     import jax
 
+    from jaxpar.hostmem import keep_host_buffers
+
+    keep_host_buffers()
     if _backend_initialized():
         have = jax.device_count("cpu") if jax.default_backend() == "cpu" else None
         if have is not None and have != n:

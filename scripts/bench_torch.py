@@ -93,7 +93,11 @@ def jax_worker(shape_name: str, config: str, model_overrides: dict) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    jax.config.update("jax_num_cpu_devices", spec["devices"])
+    from jaxpar.devices import simulate_cpu_devices
+
+    # As every jaxpar CPU run: the simulated devices, and the host allocator keeping each
+    # step's buffers mapped (jaxpar.hostmem; JAXPAR_HOST_ALLOCATOR=system turns it off).
+    simulate_cpu_devices(spec["devices"])
     from jaxpar import config as C
     from jaxpar import validation as V
     from jaxpar.devices import make_mesh
@@ -129,7 +133,12 @@ def jax_worker(shape_name: str, config: str, model_overrides: dict) -> None:
         cfg.model.attention, nvidia(jax.devices()[0]), tr.compute_dtype, cfg.model.hd,
         tr.rules.attention,
     )  # fmt: skip
-    _say({"ready": True, "compile_s": compile_s, "first_loss": losses[0], "attention": impl})
+    from jaxpar import hostmem
+
+    _say({
+        "ready": True, "compile_s": compile_s, "first_loss": losses[0], "attention": impl,
+        "host_allocator": hostmem.state(),
+    })  # fmt: skip
     for req in _commands():
         times = []
         for _ in range(req["steps"]):
@@ -394,6 +403,7 @@ def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: 
         "torch_first_loss": pt.info["first_loss"],
         "jaxpar_compile_s": jx.info["compile_s"],
         "attention": jx.info.get("attention"),
+        "host_allocator": jx.info.get("host_allocator"),
         "jaxpar_model": JAXPAR[shape] | model_overrides,
         "steps": len(times["jaxpar"]),
         "load_avg_1m": [load0, os.getloadavg()[0]],  # before and after: the machine is shared

@@ -10,6 +10,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the same HLO; 12 of 12 clean with the cache off). It saved about a minute of suite time.
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
+# As every jaxpar CPU run: XLA's per-execution buffers stay mapped between steps (saves the
+# kernel time of faulting them in again; jaxpar.hostmem, tests/test_hostmem.py).
+from jaxpar.hostmem import keep_host_buffers  # noqa: E402
+
+keep_host_buffers()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

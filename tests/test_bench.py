@@ -2,6 +2,7 @@
 
 import jax
 
+from jaxpar import hostmem
 from jaxpar.commands.bench import bench
 
 
@@ -13,5 +14,6 @@ def test_bench_reports_consistent_figures(make_cfg, tmp_path):
     tokens = cfg.train.global_batch * cfg.train.seq_len
     assert abs(out["tokens_per_s"] * out["step_time_s"] - tokens) < 1e-6 * tokens
     assert 0 < out["mfu"] and out["memory_per_device_bytes"] > 0
+    assert out["host_allocator"] == ("kept" if hostmem.glibc() else "unsupported")
     assert out["collective_bytes"] > 0  # dp=2 reduces gradients
     assert any((tmp_path / "trace").rglob("*"))

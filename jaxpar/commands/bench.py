@@ -139,6 +139,7 @@ def bench(cfg, devices=None, warmup: int = 2, profile: str | None = None) -> dic
 
     import jax
 
+    from jaxpar import hostmem
     from jaxpar.analysis import theory as T
     from jaxpar.analysis.hlo import collective_bytes, compiled_memory
     from jaxpar.data import Batches, load_corpus
@@ -207,4 +208,5 @@ def bench(cfg, devices=None, warmup: int = 2, profile: str | None = None) -> dic
         "final_loss": float(metrics["loss"]),
         "predicted": predicted(cfg),
         "profile_dir": profile,
+        "host_allocator": hostmem.state(),  # jaxpar.hostmem on CPU, None elsewhere
     }  # fmt: skip

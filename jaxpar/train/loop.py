@@ -112,7 +112,10 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
             out = _train(
                 cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices, div
             )
-            return {**out, "attention": attention}
+            from jaxpar import hostmem
+
+            host = {"host_allocator": hostmem.state()} if hostmem.state() else {}  # CPU runs
+            return {**out, "attention": attention, **host}
     finally:
         for lock in locks:
             lock.release()
