@@ -10,11 +10,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the same HLO; 12 of 12 clean with the cache off). It saved about a minute of suite time.
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
-# As every jaxpar CPU run: XLA's per-execution buffers stay mapped between steps (saves the
-# kernel time of faulting them in again; jaxpar.hostmem, tests/test_hostmem.py).
-from jaxpar.hostmem import keep_host_buffers  # noqa: E402
-
-keep_host_buffers()
+# glibc's allocator as it comes, here and in the CLI children: the suite compiles far more than
+# it steps, and the one malloc arena of jaxpar.hostmem (every jaxpar CPU run's default: no page
+# faults on each step's temporaries) slows XLA's multi-threaded compile by about a quarter
+# (8.1 s against 6.3 s for the issue-13 step). tests/test_hostmem.py checks the kept mode.
+os.environ.setdefault("JAXPAR_HOST_ALLOCATOR", "system")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
