@@ -17,10 +17,11 @@ kernel time per 0.9 s step on 2 cores, measured with ``getrusage`` (BENCHMARKS.m
   system only above 2 GiB, so the next step finds its pages mapped.
 
 The costs: memory freed below that size stays with the process (its peak is what it held
-anyway), and XLA's compile threads share the one arena's lock (the issue-13 step compiled in 8.1
-s against 6.3 s), which about 12 of its faster steps pay back. PyTorch's eager CPU path does not
-meet this: its activations are separate blocks of at most tens of MB from the main thread, which
-glibc's adaptive ``mmap`` threshold keeps in the heap after the first step.
+anyway), and XLA's compile threads share the one arena's lock (the issue-13 step compiled in
+8.1 s against 6.3 s), which about 12 of its faster steps pay back. PyTorch's eager CPU step of
+the same shape faults 47 MB and spends 0.037 s in the kernel per step: its activations are
+separate blocks of tens of MB from the main thread, which glibc's adaptive ``mmap`` threshold
+keeps in the heap after the first step.
 
 Only for glibc (Linux) and only for CPU runs; ``JAXPAR_HOST_ALLOCATOR=system`` keeps glibc's
 defaults.
