@@ -71,3 +71,16 @@ def test_bad_choice_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match=r"JAXPAR_HOST_ALLOCATOR='jemalloc': must be 'keep'"):
         hostmem.keep_host_buffers()
     assert hostmem.state() is None
+
+
+@pytest.mark.skipif(not hostmem.glibc(), reason="the allocator setting is glibc's (Linux)")
+def test_after_jax_started_it_says_late():
+    # JAX's threads already hold their arenas: the setting is applied but reported as late.
+    code = (
+        "import jax; jax.devices('cpu'); from jaxpar import hostmem; "
+        "print(hostmem.keep_host_buffers(), hostmem.keep_host_buffers())"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", hostmem.ENV: "keep"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["late", "late"]
