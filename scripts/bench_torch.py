@@ -93,14 +93,13 @@ def jax_worker(shape_name: str, config: str, model_overrides: dict) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    from jaxpar.devices import simulate_cpu_devices
+    from jaxpar.devices import make_mesh, simulate_cpu_devices
 
     # As every jaxpar CPU run: the simulated devices, and the host allocator keeping each
     # step's buffers mapped (jaxpar.hostmem; JAXPAR_HOST_ALLOCATOR=system turns it off).
     simulate_cpu_devices(spec["devices"])
     from jaxpar import config as C
     from jaxpar import validation as V
-    from jaxpar.devices import make_mesh
     from jaxpar.train.step import Trainer
 
     cfg = C.load("tiny", "cpu-8")
