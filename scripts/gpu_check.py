@@ -79,8 +79,11 @@ def _losses(shape: dict, compute_dtype: str, device) -> dict:
 
 def _cpu_reference(dry: bool) -> dict:
     """The fp32 losses of the check run on the CPU, in a fresh process (JAX_PLATFORMS=cpu)."""
-    # Without the GPU profile's XLA flags: a CPU process of its own.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    # A CPU process of its own: without the GPU flags (the mesh profile's, or the user's) and
+    # without a simulated device count; any other XLA flag the user set applies to it too.
+    keep = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_gpu") and "device_count" not in f]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(keep))
     cmd = [sys.executable, os.path.abspath(__file__), "--cpu-reference"] + (["--dry"] * dry)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_config
+from conftest import TEST_XLA_FLAGS, small_config
 
 from jaxpar import validation as V
 from jaxpar.analysis.hlo import compiled_memory
@@ -265,7 +265,7 @@ def test_gpu_check_dry_mode_runs_on_cpu():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}  # no device count of this process's
     out = subprocess.run(
         ["bash", str(root / "scripts" / "gpu_check.sh"), "--dry"],
         env=env, capture_output=True, text=True, timeout=900,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TEST_XLA_FLAGS
 
 from jaxpar import hostmem
 from jaxpar.errors import ConfigError
@@ -43,7 +44,7 @@ print(json.dumps({"state": hostmem.state(), "temp": temp, "faulted": faulted}))
 
 def _probe(choice: str) -> dict:
     env = {**os.environ, hostmem.ENV: choice}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS
     out = subprocess.run(
         [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300
     )

@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import TEST_XLA_FLAGS
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -22,7 +23,7 @@ def _text(cell) -> str:
 def test_quickstart_notebook_runs(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the notebook sets its own device count
+    monkeypatch.setenv("XLA_FLAGS", TEST_XLA_FLAGS)  # the notebook sets its own device count
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import MODEL_YAML
+from conftest import MODEL_YAML, TEST_XLA_FLAGS
 
 from jaxpar import config as C
 from jaxpar.cli import main
@@ -31,7 +31,7 @@ TRAIN_ARGS = [
 
 def _env(**extra):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)  # conftest's simulated device count must not leak into children
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # no simulated device count of this process's
     return dict(env, **extra)
 
 

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import MODEL_YAML
+from conftest import MODEL_YAML, TEST_XLA_FLAGS
 
 from jaxpar import checkpoint as ck
 from jaxpar.checkpoint import Checkpointer, CheckpointWarning
@@ -224,7 +224,7 @@ def cli(tmp_path_factory):
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
     )
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS
 
     def args(ckdir, every, *extra):
         return [
