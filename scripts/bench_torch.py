@@ -48,9 +48,10 @@ SHAPES = {
                  seq=1024, batch=4),
 }  # fmt: skip
 # jaxpar's settings per shape (what pays on CPU, README "Attention, the layer loop and the
-# loss"): straight-line layers; tiles of 128 for 64-wide heads (the score tile of the issue
-# shape at 64 and of the wide one at 128 are both 2 MiB: 0.93x the step at 64 for the wide one).
-JAXPAR = {"issue": {"layer_unroll": 0}, "wide": {"layer_unroll": 0, "attention_block": 128}}
+# loss"): straight-line layers; attention tiles of a quarter of the sequence (10 of 16 tiles
+# computed). Same-process A/B of the one-device step: issue shape, tiles of 32, 128, 256 against
+# 64: 1.04, 1.03, 1.07; wide shape, 256 and 512 against 128: 0.88, 0.89 (128 was 0.93 of 64).
+JAXPAR = {"issue": {"layer_unroll": 0}, "wide": {"layer_unroll": 0, "attention_block": 256}}
 CONFIGS = {
     "single": dict(devices=1, layout=dict(dp=1), torch="eager"),
     # Gradient accumulation over 4 micro-batches (same global batch and update) against eager
