@@ -213,6 +213,37 @@ def test_layer_unroll_leaves_no_loop_unless_the_body_is_wrapped():
     assert layer_loop in hlo(lambda body: jax.checkpoint(body, prevent_cse=False))
 
 
+def test_rotary_tables_are_constants_of_the_program():
+    """Training positions are static: the compiled loss and gradient evaluate no sin or cos
+    (XLA would fuse them into the rotation, once per element of q and k), and the constant
+    tables are float64-accurate where the traced path (decoding) rounds large angles."""
+    from jaxpar.model.layers import rope
+
+    cfg = _cfg()
+    model = Model(cfg.model)
+    params = model.init(jax.random.key(0))
+    tok = jnp.zeros((2, 32), jnp.int32)
+    grad = jax.jit(jax.value_and_grad(lambda p: model.loss(p, tok, tok)))
+    text = grad.lower(params).compile().as_text()
+    assert " sine(" not in text and " cosine(" not in text
+
+    s, dh, theta = 2048, 64, 10000.0
+    x = jax.random.normal(jax.random.key(1), (1, s, 2, dh))
+    static = jax.jit(lambda x: rope(x, np.arange(s), theta))(x)
+    traced = jax.jit(lambda x, p: rope(x, p, theta))(x, jnp.arange(s))
+    # float64 reference of the same float32 angles
+    half = dh // 2
+    freq = theta ** (-np.arange(half, dtype=np.float32) / half)
+    angle = (np.arange(s, dtype=np.float32)[:, None] * freq).astype(np.float64)[None, :, None]
+    x1, x2 = np.split(np.asarray(x, np.float64), 2, axis=-1)
+    ref = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle),
+                          x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)  # fmt: skip
+    err_static = np.abs(np.asarray(static) - ref).max()
+    assert err_static < 1e-5, err_static
+    assert np.abs(np.asarray(traced) - ref).max() >= err_static
+    np.testing.assert_allclose(static[:, :64], traced[:, :64], atol=1e-4)  # same convention
+
+
 # --------------------------------------------------------------------------------------------
 # Choosing and refusing implementations
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
@@ -45,16 +46,29 @@ class RMSNorm(nnx.Module):
         return (x32 * inv * self.scale[...]).astype(x_BxSxD.dtype)
 
 
-def rope(x_BxSxNxDh: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope(x_BxSxNxDh: jax.Array, positions: jax.Array | np.ndarray, theta: float) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), half-split convention (as in Llama/HF).
 
     ``positions`` is ``[S]`` (shared by the batch) or ``[B, S]`` (per row: left-padded prompts
-    when decoding)."""
+    when decoding). Positions known when tracing (a NumPy array: training and evaluation, see
+    :meth:`jaxpar.model.llama.Model.loss`) make the sin/cos tables constants of the program,
+    computed once in float64. Computed in the program instead, XLA fuses sin and cos into the
+    rotation and evaluates them once per element of q and k, with a fast range reduction: at
+    1024 positions and head dim 64 the rotation took 9.4 ms against 1.8 ms (forward; 20.6 against
+    3.8 ms for its gradient) on CPU, and the angles near 1000 rad came out about 1e-4 off."""
     half = x_BxSxNxDh.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[..., None] * freq  # [S, half] or [B, S, half]
-    angle_BxSx1xHalf = jnp.broadcast_to(angle, (1,) * (3 - angle.ndim) + angle.shape)[:, :, None]
-    sin, cos = jnp.sin(angle_BxSx1xHalf), jnp.cos(angle_BxSx1xHalf)
+    if isinstance(positions, np.ndarray):
+        freq = theta ** (-np.arange(half, dtype=np.float32) / half)
+        angle = positions.astype(np.float32)[..., None] * freq.astype(np.float32)  # as below
+        angle = np.broadcast_to(angle, (1,) * (3 - angle.ndim) + angle.shape)[:, :, None]
+        angle64 = angle.astype(np.float64)
+        sin, cos = np.sin(angle64).astype(np.float32), np.cos(angle64).astype(np.float32)
+    else:
+        freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+        angle = positions.astype(jnp.float32)[..., None] * freq  # [S, half] or [B, S, half]
+        angle_BxSx1xHalf = jnp.broadcast_to(angle, (1,) * (3 - angle.ndim) + angle.shape)
+        angle_BxSx1xHalf = angle_BxSx1xHalf[:, :, None]
+        sin, cos = jnp.sin(angle_BxSx1xHalf), jnp.cos(angle_BxSx1xHalf)
     x1, x2 = jnp.split(x_BxSxNxDh.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxSxNxDh.dtype)

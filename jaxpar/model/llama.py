@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
@@ -299,7 +300,8 @@ class Model:
         same ``hooks``.
         """
         hooks = hooks or Hooks()
-        positions_S = jnp.arange(tokens_BxS.shape[1])
+        # Static positions: the rotary tables become constants (jaxpar.model.layers.rope).
+        positions_S = np.arange(tokens_BxS.shape[1])
         x = self.embed({"embed": hooks.embed(params["embed"])}, tokens_BxS, dtype)
         x = self.blocks(params["layers"], x, positions_S, hooks.layer)
         return hooks.head(self.head_loss)(self.head_params(params), x, targets_BxS)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.pipeline.executor import PipelineModel, Plan, run_local
@@ -184,7 +185,7 @@ class PipelineRun:
         local, embed_p, head_p = self._split_params(params)
         return run_local(
             self.plan,
-            self.pieces_for(jnp.arange(tokens_BxS.shape[1])),
+            self.pieces_for(np.arange(tokens_BxS.shape[1])),  # static: constant rotary tables
             local,
             embed_p,
             head_p,
