@@ -46,29 +46,36 @@ class RMSNorm(nnx.Module):
         return (x32 * inv * self.scale[...]).astype(x_BxSxD.dtype)
 
 
-def rope(x_BxSxNxDh: jax.Array, positions: jax.Array | np.ndarray, theta: float) -> jax.Array:
+def rotary_tables(positions: np.ndarray, half: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """``sin, cos`` of the float32 rotary angles ``[..., half]``, evaluated in float64 at trace
+    time (constants of the program), rounded to float32."""
+    freq = theta ** (-np.arange(half, dtype=np.float32) / half)
+    angle = (np.asarray(positions).astype(np.float32)[..., None] * freq).astype(np.float64)
+    return np.sin(angle).astype(np.float32), np.cos(angle).astype(np.float32)
+
+
+def rope(
+    x_BxSxNxDh: jax.Array, positions: jax.Array | np.ndarray, theta: float, max_len: int
+) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), half-split convention (as in Llama/HF).
 
     ``positions`` is ``[S]`` (shared by the batch) or ``[B, S]`` (per row: left-padded prompts
-    when decoding). Positions known when tracing (a NumPy array: training and evaluation, see
-    :meth:`jaxpar.model.llama.Model.loss`) make the sin/cos tables constants of the program,
-    computed once in float64. Computed in the program instead, XLA fuses sin and cos into the
-    rotation and evaluates them once per element of q and k, with a fast range reduction: at
-    1024 positions and head dim 64 the rotation took 9.4 ms against 1.8 ms (forward; 20.6 against
-    3.8 ms for its gradient) on CPU, and the angles near 1000 rad came out about 1e-4 off."""
+    when decoding), below ``max_len``. The sin/cos tables are always constants of the program
+    (:func:`rotary_tables`): for positions known when tracing (a NumPy array: training and
+    evaluation) exactly those rows, for traced ones (decoding) rows gathered from the table of
+    all ``max_len`` positions, so a decoded token is rotated as in training. Computed in the
+    program instead, XLA fuses sin and cos into the rotation and evaluates them once per element
+    of q and k: at 1024 positions and head dim 64 the rotation took 9.4 ms against 1.8 ms
+    (forward; 20.6 against 3.8 ms for its gradient) on CPU, and its float32 sin/cos put the
+    rotation up to 2.5e-4 off the float64 tables' at those positions."""
     half = x_BxSxNxDh.shape[-1] // 2
     if isinstance(positions, np.ndarray):
-        freq = theta ** (-np.arange(half, dtype=np.float32) / half)
-        angle = positions.astype(np.float32)[..., None] * freq.astype(np.float32)  # as below
-        angle = np.broadcast_to(angle, (1,) * (3 - angle.ndim) + angle.shape)[:, :, None]
-        angle64 = angle.astype(np.float64)
-        sin, cos = np.sin(angle64).astype(np.float32), np.cos(angle64).astype(np.float32)
+        sin, cos = rotary_tables(positions, half, theta)
     else:
-        freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-        angle = positions.astype(jnp.float32)[..., None] * freq  # [S, half] or [B, S, half]
-        angle_BxSx1xHalf = jnp.broadcast_to(angle, (1,) * (3 - angle.ndim) + angle.shape)
-        angle_BxSx1xHalf = angle_BxSx1xHalf[:, :, None]
-        sin, cos = jnp.sin(angle_BxSx1xHalf), jnp.cos(angle_BxSx1xHalf)
+        sin_t, cos_t = rotary_tables(np.arange(max_len), half, theta)
+        sin, cos = jnp.asarray(sin_t)[positions], jnp.asarray(cos_t)[positions]
+    # [S, half] or [B, S, half] -> [B or 1, S, 1, half]
+    sin, cos = (t.reshape((1,) * (3 - t.ndim) + t.shape)[:, :, None] for t in (sin, cos))
     x1, x2 = jnp.split(x_BxSxNxDh.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxSxNxDh.dtype)
@@ -98,6 +105,7 @@ class Attention(nnx.Module):
             _normal(rngs, (h, dh, d), out_std), logical_axes=("heads", "head_dim", "embed")
         )
         self.theta = cfg.rope_theta
+        self.max_len = cfg.max_seq_len  # rows of the rotary tables
         self.attention, self.block = cfg.attention, cfg.attention_block
 
     def __call__(
@@ -146,8 +154,8 @@ class Attention(nnx.Module):
         # Pin q, k, v to the projection layout (seq on sp, heads on tp) so that the attention
         # core's constraints are the only reshards (one all-to-all each under Ulysses).
         layout = ("batch", "seq", "heads", "head_dim")
-        q = constrain(rope(q, positions_S, self.theta), layout)
-        k = constrain(rope(k, positions_S, self.theta), layout)
+        q = constrain(rope(q, positions_S, self.theta, self.max_len), layout)
+        k = constrain(rope(k, positions_S, self.theta, self.max_len), layout)
         return q, k, constrain(v, layout)
 
     def out(self, o_BxSxHxDh: jax.Array) -> jax.Array:
