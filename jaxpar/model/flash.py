@@ -131,11 +131,15 @@ def fold(state: State, q_i: jax.Array, kt_j: jax.Array, v_j: jax.Array, vis) -> 
     ``vis`` ``[Cq, Ck]``: which pairs are visible (None: all)."""
     top, den, acc = state
     s = _scores(q_i, kt_j)
-    if vis is not None:
-        s = jnp.where(vis, s, NEG)
-    top_new = jnp.maximum(top, s.max(axis=-1))
+    if vis is None:
+        top_new = jnp.maximum(top, s.max(axis=-1))
+        p = jnp.exp(s - top_new[..., None])
+    else:
+        # The mask is applied inside each consumer of s (the row max, then the exponent: a
+        # hidden pair's exp(-inf) is 0), so no masked copy of the tile is written and read.
+        top_new = jnp.maximum(top, jnp.where(vis, s, NEG).max(axis=-1))
+        p = jnp.exp(jnp.where(vis, s - top_new[..., None], -jnp.inf))
     alpha = jnp.exp(top - top_new)
-    p = jnp.exp(s - top_new[..., None])
     f32 = jnp.float32
     pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v_j.dtype), v_j, preferred_element_type=f32)
     return top_new, den * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
@@ -159,9 +163,9 @@ def tile_grads(q_i, qt_i, k_j, kt_j, v_j, do_i, dot_i, lse_i, delta_i, vis_t):
     f32 = jnp.float32
     scale = q_i.shape[-1] ** -0.5
     st = jnp.einsum("bksd,bkdgq->bksgq", k_j, qt_i, preferred_element_type=f32) * scale
-    pt = jnp.exp(st - lse_i[:, :, None])
-    if vis_t is not None:
-        pt = jnp.where(vis_t, pt, 0.0)
+    zt = st - lse_i[:, :, None]
+    # Masked inside the exponent (exp(-inf) = 0): one fusion writes P, not a second masked copy.
+    pt = jnp.exp(zt if vis_t is None else jnp.where(vis_t, zt, -jnp.inf))
     dv = jnp.einsum("bksgq,bkgqd->bksd", pt.astype(do_i.dtype), do_i, preferred_element_type=f32)
     dpt = jnp.einsum("bksd,bkdgq->bksgq", v_j, dot_i, preferred_element_type=f32)
     dst = (pt * (dpt - delta_i[:, :, None]) * scale).astype(q_i.dtype)
