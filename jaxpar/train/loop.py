@@ -115,7 +115,10 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
             from jaxpar import hostmem
 
             # jaxpar.hostmem's answer on CPU, None elsewhere (as `jaxpar bench` reports it).
-            return {**out, "attention": attention, "host_allocator": hostmem.state()}
+            return {
+                **out, "attention": attention, "cpu_fusion": trainer.cpu_fusion,
+                "host_allocator": hostmem.state(),
+            }  # fmt: skip
     finally:
         for lock in locks:
             lock.release()
