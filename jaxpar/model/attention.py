@@ -177,7 +177,8 @@ def ulysses(core_fn: Core) -> Core:
 
 def _ring_setup(q, k, v, block):
     bl = flash.Blocks.of(q.shape[1], block)
-    return bl, flash.q_blocks(q, k.shape[2], bl), flash.kv_blocks(k, bl), flash.kv_blocks(v, bl)
+    qb = flash.q_blocks(flash.scaled(q), k.shape[2], bl)
+    return bl, qb, flash.kv_blocks(k, bl), flash.kv_blocks(v, bl)
 
 
 def _shift(x: jax.Array, axis: str, p: int, rank: jax.Array, by: int) -> jax.Array:
@@ -225,7 +226,7 @@ def _ring_fwd(q, k, v, axis, block):
         )
     ob, lse = flash.finish(state)
     ob = ob.astype(q.dtype)
-    return flash.q_unblocks(ob, bl.s), (qb, kb, vb, tuple(held), ob, lse)
+    return flash.q_unblocks(ob, bl), (qb, kb, vb, tuple(held), ob, lse)
 
 
 def _ring_bwd(axis, block, res, do_BxCxHxDh):
@@ -252,7 +253,7 @@ def _ring_bwd(axis, block, res, do_BxCxHxDh):
         dkv = jax.tree.map(lambda x: _shift(x, axis, p, rank, -1), (dkv[0] + gk, dkv[1] + gv))
     gq, gk, gv = flash.backward(qb, kb, vb, dob, lse, delta, bl, causal=True)
     return (
-        flash.q_unblocks(dq + gq, c).astype(qb.dtype),
+        flash.scaled(flash.q_unblocks(dq + gq, bl)).astype(qb.dtype),
         flash.kv_unblocks(dkv[0] + gk, c).astype(kb.dtype),
         flash.kv_unblocks(dkv[1] + gv, c).astype(vb.dtype),
     )

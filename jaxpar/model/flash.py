@@ -13,8 +13,12 @@ that skips about half of the score FLOPs. Every visited tile goes through the sa
 (positions from iotas, so only the diagonal tile actually hides pairs): one tile's code in the
 program, half the compile time of a separate diagonal path, no measurable runtime cost.
 
-Layout. The kernel works block-major and head-major: q ``[N, B, K, G, C, Dh]`` (N blocks of C
-positions, the H = K·G query heads grouped under their kv head), k and v ``[N, B, K, C, Dh]``.
+Layout. The kernel works block-major and head-major: q ``[N, B, K, G·C, Dh]`` (N blocks of C
+positions; a block's rows are the G query heads grouped under kv head k, C positions each, so
+row r holds head k·G + r // C at position r % C), k and v ``[N, B, K, C, Dh]``. The G heads are
+merged into the rows in the layout itself: a tile's matmuls see G·C rows whatever fusion XLA
+forms around them (with G a batch dimension of its own, YNNPACK fusions of the dots ran 1.4×
+longer).
 A tile's matmuls (2 forward, 5 backward) are then plain batched matmuls over (B, K) reading
 their operands in place (see :func:`tile_grads`), and GQA never materialises repeated k/v
 (``dK``/``dV`` sum over G inside the contraction). The transpositions into and out of this
@@ -81,10 +85,11 @@ def _pad_seq(x: jax.Array, bl: Blocks) -> jax.Array:
 
 
 def q_blocks(q_BxSxHxDh: jax.Array, kv_heads: int, bl: Blocks) -> jax.Array:
-    """``[B, S, H, Dh] -> [N, B, K, G, C, Dh]`` (query head h = k·G + g)."""
+    """``[B, S, H, Dh] -> [N, B, K, G·C, Dh]`` (query head h = k·G + g, row g·C + position)."""
     b, _, h, dh = q_BxSxHxDh.shape
-    x = _pad_seq(q_BxSxHxDh, bl).reshape(b, bl.n, bl.c, kv_heads, h // kv_heads, dh)
-    return x.transpose(1, 0, 3, 4, 2, 5)
+    g = h // kv_heads
+    x = _pad_seq(q_BxSxHxDh, bl).reshape(b, bl.n, bl.c, kv_heads, g, dh)
+    return x.transpose(1, 0, 3, 4, 2, 5).reshape(bl.n, b, kv_heads, g * bl.c, dh)
 
 
 def kv_blocks(k_BxSxKxDh: jax.Array, bl: Blocks) -> jax.Array:
@@ -93,10 +98,12 @@ def kv_blocks(k_BxSxKxDh: jax.Array, bl: Blocks) -> jax.Array:
     return _pad_seq(k_BxSxKxDh, bl).reshape(b, bl.n, bl.c, kvh, dh).transpose(1, 0, 3, 2, 4)
 
 
-def q_unblocks(x_NxBxKxGxCxDh: jax.Array, s: int) -> jax.Array:
+def q_unblocks(x_NxBxKxRxDh: jax.Array, bl: Blocks) -> jax.Array:
     """Inverse of :func:`q_blocks` (padding dropped)."""
-    n, b, kvh, g, c, dh = x_NxBxKxGxCxDh.shape
-    return x_NxBxKxGxCxDh.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * c, kvh * g, dh)[:, :s]
+    n, b, kvh, r, dh = x_NxBxKxRxDh.shape
+    g = r // bl.c
+    x = x_NxBxKxRxDh.reshape(n, b, kvh, g, bl.c, dh)
+    return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * bl.c, kvh * g, dh)[:, : bl.s]
 
 
 def kv_unblocks(x_NxBxKxCxDh: jax.Array, s: int) -> jax.Array:
@@ -109,10 +116,16 @@ def kv_unblocks(x_NxBxKxCxDh: jax.Array, s: int) -> jax.Array:
 # One tile
 
 
+def scaled(q: jax.Array) -> jax.Array:
+    """Queries times ``Dh^-1/2``: the tiles take them so, and no tile multiplies its logits
+    (or dS) by the scale; dq comes out for the scaled queries (times the scale once more)."""
+    return q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+
+
 def _scores(q_i: jax.Array, kt_j: jax.Array) -> jax.Array:
-    """Scaled logits of one tile ``[B, K, G, Cq, Ck]`` in fp32 (``kt_j``: k transposed)."""
-    s = jnp.einsum("bkgqd,bkds->bkgqs", q_i, kt_j, preferred_element_type=jnp.float32)
-    return s * (q_i.shape[-1] ** -0.5)
+    """Logits of one tile ``[B, K, G·Cq, Ck]`` in fp32 (``q_i`` :func:`scaled`, ``kt_j``: k
+    transposed)."""
+    return jnp.einsum("bkrd,bkds->bkrs", q_i, kt_j, preferred_element_type=jnp.float32)
 
 
 def init_state(q_NxBxKxGxCxDh: jax.Array) -> State:
@@ -128,7 +141,7 @@ def init_state(q_NxBxKxGxCxDh: jax.Array) -> State:
 
 def fold(state: State, q_i: jax.Array, kt_j: jax.Array, v_j: jax.Array, vis) -> State:
     """Fold one key block (``kt_j`` = kᵀ ``[B, K, Dh, Ck]``) into a row's online softmax;
-    ``vis`` ``[Cq, Ck]``: which pairs are visible (None: all)."""
+    ``vis`` ``[G·Cq, Ck]``: which pairs are visible (None: all)."""
     top, den, acc = state
     s = _scores(q_i, kt_j)
     if vis is None:
@@ -141,7 +154,7 @@ def fold(state: State, q_i: jax.Array, kt_j: jax.Array, v_j: jax.Array, vis) -> 
         p = jnp.exp(jnp.where(vis, s - top_new[..., None], -jnp.inf))
     alpha = jnp.exp(top - top_new)
     f32 = jnp.float32
-    pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v_j.dtype), v_j, preferred_element_type=f32)
+    pv = jnp.einsum("bkrs,bksd->bkrd", p.astype(v_j.dtype), v_j, preferred_element_type=f32)
     return top_new, den * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
 
 
@@ -154,30 +167,28 @@ def finish(state: State) -> tuple[jax.Array, jax.Array]:
 def tile_grads(q_i, qt_i, k_j, kt_j, v_j, do_i, dot_i, lse_i, delta_i, vis_t):
     """``(dqᵀ_i, dk_j, dv_j)`` contributions of one tile, fp32, from the recomputed scores.
 
-    The tile is recomputed transposed, ``Sᵀ [B, K, Ck, G, Cq]``, and every operand comes in
+    The tile is recomputed transposed, ``Sᵀ [B, K, Ck, G·Cq]``, and every operand comes in
     the layout its matmul reads in place (``*t_*``: transposed copies made once per call):
     XLA's CPU dot takes ``[M, K] x [K, N]`` row-major operands and copies any other form, which
-    per tile would be P and dS (or k and dO). dq comes out transposed ``[B, K, Dh, G, Cq]``.
-    ``vis_t`` ``[Ck, 1, Cq]``: which pairs are visible (None: all).
+    per tile would be P and dS (or k and dO). dq comes out transposed ``[B, K, Dh, G·Cq]``.
+    ``vis_t`` ``[Ck, G·Cq]``: which pairs are visible (None: all).
     """
     f32 = jnp.float32
-    scale = q_i.shape[-1] ** -0.5
-    st = jnp.einsum("bksd,bkdgq->bksgq", k_j, qt_i, preferred_element_type=f32) * scale
+    st = jnp.einsum("bksd,bkdr->bksr", k_j, qt_i, preferred_element_type=f32)
     zt = st - lse_i[:, :, None]
     # Masked inside the exponent (exp(-inf) = 0): one fusion writes P, not a second masked copy.
     pt = jnp.exp(zt if vis_t is None else jnp.where(vis_t, zt, -jnp.inf))
-    dv = jnp.einsum("bksgq,bkgqd->bksd", pt.astype(do_i.dtype), do_i, preferred_element_type=f32)
-    dpt = jnp.einsum("bksd,bkdgq->bksgq", v_j, dot_i, preferred_element_type=f32)
-    dst = (pt * (dpt - delta_i[:, :, None]) * scale).astype(q_i.dtype)
-    dk = jnp.einsum("bksgq,bkgqd->bksd", dst, q_i, preferred_element_type=f32)
-    dqt = jnp.einsum("bkds,bksgq->bkdgq", kt_j, dst, preferred_element_type=f32)
+    dv = jnp.einsum("bksr,bkrd->bksd", pt.astype(do_i.dtype), do_i, preferred_element_type=f32)
+    dpt = jnp.einsum("bksd,bkdr->bksr", v_j, dot_i, preferred_element_type=f32)
+    dst = (pt * (dpt - delta_i[:, :, None])).astype(q_i.dtype)
+    dk = jnp.einsum("bksr,bkrd->bksd", dst, q_i, preferred_element_type=f32)
+    dqt = jnp.einsum("bkds,bksr->bkdr", kt_j, dst, preferred_element_type=f32)
     return dqt, dk, dv
 
 
-def _t(x: jax.Array, q: bool) -> jax.Array:
-    """Transposed blocks: q ``[.., G, C, Dh] -> [.., Dh, G, C]``; k ``[.., C, Dh] -> [.., Dh, C]``
-    (``q``: whether ``x`` is a query-like block)."""
-    return jnp.moveaxis(x, -1, -3) if q else jnp.swapaxes(x, -1, -2)
+def _t(x: jax.Array) -> jax.Array:
+    """Transposed blocks: ``[.., rows, Dh] -> [.., Dh, rows]`` (q-like or k-like)."""
+    return jnp.swapaxes(x, -1, -2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,14 +200,15 @@ def _rows_keys(i, bl: Blocks, causal: bool):
     return i + 1 if causal else bl.n
 
 
-def _visible(i, j, bl: Blocks, causal: bool):
-    """Visible (query, key) pairs of tile (i, j), ``[Cq, Ck]``: key ≤ query when causal (which
-    also hides the padded keys from every real query), else key < s; None when all are."""
+def _visible(i, j, bl: Blocks, causal: bool, rows: int):
+    """Visible (query, key) pairs of tile (i, j), ``[rows, Ck]`` (``rows`` = G·Cq, row r at
+    position r % Cq): key ≤ query when causal (which also hides the padded keys from every
+    real query), else key < s; None when all are."""
     if not causal and not bl.pad:
         return None
-    q_pos = i * bl.c + jnp.arange(bl.c)[:, None]
+    q_pos = i * bl.c + (jnp.arange(rows) % bl.c)[:, None]
     k_pos = j * bl.c + jnp.arange(bl.c)[None, :]
-    return k_pos <= q_pos if causal else jnp.broadcast_to(k_pos < bl.s, (bl.c, bl.c))
+    return k_pos <= q_pos if causal else jnp.broadcast_to(k_pos < bl.s, (rows, bl.c))
 
 
 def _take(tree, i):
@@ -204,19 +216,21 @@ def _take(tree, i):
 
 
 def forward(qb, kb, vb, bl: Blocks, causal: bool, state: State | None = None) -> State:
-    """Fold key/value blocks ``kb``/``vb`` into every query row of ``qb``; returns the state.
+    """Fold key/value blocks ``kb``/``vb`` into every query row of ``qb`` (:func:`scaled`
+    queries in :func:`q_blocks` layout); returns the state.
 
     ``causal``: key block j is visible to query block i iff j ≤ i (the diagonal masked);
     otherwise every key block is visible (the queries follow the keys in the sequence).
     """
     state = init_state(qb) if state is None else state
-    ktb = _t(kb, q=False)  # kᵀ blocks [N, B, K, Dh, C], once per call
+    ktb = _t(kb)  # kᵀ blocks [N, B, K, Dh, C], once per call
+    rows = qb.shape[3]
 
     def row(i, carry):
         q_i = qb[i]
 
         def tile(j, st):
-            return fold(st, q_i, ktb[j], vb[j], _visible(i, j, bl, causal))
+            return fold(st, q_i, ktb[j], vb[j], _visible(i, j, bl, causal, rows))
 
         st = jax.lax.fori_loop(0, _rows_keys(i, bl, causal), tile, _take(carry, i))
         return jax.tree.map(lambda c, x: c.at[i].set(x), carry, st)
@@ -225,10 +239,12 @@ def forward(qb, kb, vb, bl: Blocks, causal: bool, state: State | None = None) ->
 
 
 def backward(qb, kb, vb, dob, lse, delta, bl: Blocks, causal: bool):
-    """Gradients ``(dq, dk, dv)`` (fp32, block layout) of the tiles :func:`forward` visits,
-    against the *final* log-sum-exp ``lse`` and ``delta = rowsum(dO ∘ O)`` of the rows."""
+    """Gradients ``(dq, dk, dv)`` (fp32, block layout; dq for the :func:`scaled` queries
+    ``qb``) of the tiles :func:`forward` visits, against the *final* log-sum-exp ``lse`` and
+    ``delta = rowsum(dO ∘ O)`` of the rows."""
     zeros = partial(jnp.zeros_like, dtype=jnp.float32)  # varying as its argument (shard_map)
-    qtb, ktb, dotb = _t(qb, q=True), _t(kb, q=False), _t(dob, q=True)  # once per call
+    qtb, ktb, dotb = _t(qb), _t(kb), _t(dob)  # once per call
+    rows = qb.shape[3]
 
     def row(i, carry):
         dqt, dk, dv = carry
@@ -236,8 +252,8 @@ def backward(qb, kb, vb, dob, lse, delta, bl: Blocks, causal: bool):
 
         def tile(j, c):
             dqt_i, dk, dv = c
-            vis = _visible(i, j, bl, causal)
-            vis_t = None if vis is None else vis.T[:, None, :]
+            vis = _visible(i, j, bl, causal, rows)
+            vis_t = None if vis is None else vis.T
             g = tile_grads(q_i, qt_i, kb[j], ktb[j], vb[j], do_i, dot_i, lse[i], delta[i], vis_t)
             return dqt_i + g[0], dk.at[j].add(g[1]), dv.at[j].add(g[2])
 
@@ -245,7 +261,7 @@ def backward(qb, kb, vb, dob, lse, delta, bl: Blocks, causal: bool):
         return dqt.at[i].set(c[0]), c[1], c[2]
 
     dqt, dk, dv = jax.lax.fori_loop(0, bl.n, row, (zeros(qtb), zeros(kb), zeros(vb)))
-    return jnp.moveaxis(dqt, -3, -1), dk, dv  # dq back to [N, B, K, G, C, Dh]
+    return _t(dqt), dk, dv  # dq back to [N, B, K, G·C, Dh]
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,10 +278,10 @@ def blockwise_attention(
 
 def _fwd(q, k, v, block):
     bl = Blocks.of(q.shape[1], block)
-    qb, kb, vb = q_blocks(q, k.shape[2], bl), kv_blocks(k, bl), kv_blocks(v, bl)
+    qb, kb, vb = q_blocks(scaled(q), k.shape[2], bl), kv_blocks(k, bl), kv_blocks(v, bl)
     ob, lse = finish(forward(qb, kb, vb, bl, True))
     ob = ob.astype(q.dtype)
-    return q_unblocks(ob, bl.s), (qb, kb, vb, ob, lse)
+    return q_unblocks(ob, bl), (qb, kb, vb, ob, lse)
 
 
 def _bwd(block, res, do_BxSxHxDh):
@@ -276,7 +292,7 @@ def _bwd(block, res, do_BxSxHxDh):
     delta = jnp.sum(dob.astype(jnp.float32) * ob.astype(jnp.float32), axis=-1)
     dq, dk, dv = backward(qb, kb, vb, dob, lse, delta, bl, True)
     return (
-        q_unblocks(dq, s).astype(qb.dtype),
+        scaled(q_unblocks(dq, bl)).astype(qb.dtype),
         kv_unblocks(dk, s).astype(kb.dtype),
         kv_unblocks(dv, s).astype(vb.dtype),
     )
