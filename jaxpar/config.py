@@ -32,7 +32,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "blockwise", "dense", "cudnn")
 ON_NONFINITE = ("skip", "stop")
 PLATFORMS = ("cpu", "gpu", "tpu")
-CPU_FUSIONS = ("auto", "xla", "ynnpack")  # hardware.cpu_fusion (jaxpar/xla_options.py)
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # token files (.bin)
 
 
@@ -92,7 +91,6 @@ class HardwareConfig:
     # [[size, share], ...] ascending (jaxpar bench --calibrate measures it).
     matmul_efficiency: list[list[float]] = field(default_factory=list)
     xla_flags: list[str] = field(default_factory=list)  # applied before JAX initialises
-    cpu_fusion: str = "auto"  # XLA CPU kernel fusion per compiled step (jaxpar/xla_options.py)
 
 
 @dataclass

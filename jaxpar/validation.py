@@ -21,7 +21,6 @@ from jaxpar import typed
 from jaxpar.config import (
     ATTENTION,
     AXES,
-    CPU_FUSIONS,
     DTYPES,
     OFFLOAD,
     ON_NONFINITE,
@@ -149,7 +148,6 @@ def _check_hardware(mesh: MeshConfig) -> None:
         _number(f"hardware.{name}", getattr(hw, name), 0)
     _positive("hardware.devices_per_node", hw.devices_per_node)
     _positive("hardware.nics_per_node", hw.nics_per_node)
-    _one_of("hardware.cpu_fusion", hw.cpu_fusion, CPU_FUSIONS)
     for flag in hw.xla_flags:
         # XLA aborts the process on a malformed or unknown flag; refuse what cannot be one
         if not re.fullmatch(r"--[A-Za-z0-9_]+(=\S*)?", flag):

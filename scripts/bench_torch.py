@@ -137,7 +137,7 @@ def jax_worker(shape_name: str, config: str, model_overrides: dict) -> None:
 
     _say({
         "ready": True, "compile_s": compile_s, "first_loss": losses[0], "attention": impl,
-        "cpu_fusion": tr.cpu_fusion, "host_allocator": hostmem.state(),
+        "host_allocator": hostmem.state(),
     })  # fmt: skip
     for req in _commands():
         times = []
@@ -403,7 +403,6 @@ def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: 
         "torch_first_loss": pt.info["first_loss"],
         "jaxpar_compile_s": jx.info["compile_s"],
         "attention": jx.info.get("attention"),
-        "cpu_fusion": jx.info.get("cpu_fusion"),
         "host_allocator": jx.info.get("host_allocator"),
         "jaxpar_model": JAXPAR[shape] | model_overrides,
         "steps": len(times["jaxpar"]),

@@ -208,6 +208,5 @@ def bench(cfg, devices=None, warmup: int = 2, profile: str | None = None) -> dic
         "final_loss": float(metrics["loss"]),
         "predicted": predicted(cfg),
         "profile_dir": profile,
-        "cpu_fusion": trainer.cpu_fusion,  # jaxpar.xla_options on CPU, None elsewhere
         "host_allocator": hostmem.state(),  # jaxpar.hostmem on CPU, None elsewhere
     }  # fmt: skip

@@ -115,10 +115,7 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
             from jaxpar import hostmem
 
             # jaxpar.hostmem's answer on CPU, None elsewhere (as `jaxpar bench` reports it).
-            return {
-                **out, "attention": attention, "cpu_fusion": trainer.cpu_fusion,
-                "host_allocator": hostmem.state(),
-            }  # fmt: skip
+            return {**out, "attention": attention, "host_allocator": hostmem.state()}
     finally:
         for lock in locks:
             lock.release()

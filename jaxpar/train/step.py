@@ -23,7 +23,6 @@ from jaxpar.pipeline.rest import STAGE_AXIS, RestLayout
 from jaxpar.train.grads import GradContext, loss_and_grads, mean_loss, microbatch_split
 from jaxpar.train.guard import inject_nonfinite
 from jaxpar.train.reduce import DPReduction
-from jaxpar.xla_options import compiler_options, cpu_fusion
 
 State = dict[str, Any]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -130,22 +129,15 @@ class Trainer:
         self.device_shardings = shd.named(mesh, self.state_specs)
         # Tokens [B, S+1]: rows over dp; sequence sharding happens on activations inside.
         self.batch_sharding = NamedSharding(mesh, P(shd.dp_axes(lay), None))
-        # The model's programs (step, evaluation, gradients) on CPU: which kernels XLA fuses
-        # into (hardware.cpu_fusion, jaxpar/xla_options.py); None elsewhere.
-        self.cpu_fusion = cpu_fusion(cfg.mesh.hardware.cpu_fusion, list(mesh.devices.flat))
-        self.compiler_options = compiler_options(self.cpu_fusion)
         self._step = jax.jit(
             self._step_fn,
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, None),
             donate_argnums=(0,),
-            compiler_options=self.compiler_options,
         )
         self._compiled = None
         self._eval = jax.jit(
-            self._eval_fn,
-            in_shardings=(self.device_shardings["params"], self.batch_sharding),
-            compiler_options=self.compiler_options,
+            self._eval_fn, in_shardings=(self.device_shardings["params"], self.batch_sharding)
         )
         self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
 
@@ -280,7 +272,6 @@ class Trainer:
             fn = jax.jit(
                 self.grads_fn,
                 in_shardings=(self.device_shardings["params"], self.batch_sharding),
-                compiler_options=self.compiler_options,
             )
             return fn(params, batch)
 
