@@ -49,8 +49,8 @@ SHAPES = {
 }  # fmt: skip
 # jaxpar's settings per shape (what pays on CPU, README "Attention, the layer loop and the
 # loss"): straight-line layers; attention tiles of a quarter of the sequence (10 of 16 tiles
-# computed). Same-process A/B of the one-device step: issue shape, tiles of 32, 128, 256 against
-# 64: 1.04, 1.03, 1.07; wide shape, 256 and 512 against 128: 0.88, 0.89 (128 was 0.93 of 64).
+# computed). Same-process A/B of the one-device step at 13c0864: issue shape, tiles of 32 and 128
+# against 64: 1.13, 1.17; wide shape, 128 and 512 against 256: 1.13, 1.01.
 JAXPAR = {"issue": {"layer_unroll": 0}, "wide": {"layer_unroll": 0, "attention_block": 256}}
 CONFIGS = {
     "single": dict(devices=1, layout=dict(dp=1), torch="eager"),
