@@ -48,7 +48,8 @@ import jax.numpy as jnp
 
 NEG = float(jnp.finfo(jnp.float32).min)
 
-# (running max, denominator, numerator): [.., C], [.., C], [.., C, Dh], fp32
+# (running max, denominator, numerator) of each query row (R = G·C a block): [.., R], [.., R],
+# [.., R, Dh], fp32
 State = tuple[jax.Array, jax.Array, jax.Array]
 
 
@@ -128,14 +129,14 @@ def _scores(q_i: jax.Array, kt_j: jax.Array) -> jax.Array:
     return jnp.einsum("bkrd,bkds->bkrs", q_i, kt_j, preferred_element_type=jnp.float32)
 
 
-def init_state(q_NxBxKxGxCxDh: jax.Array) -> State:
+def init_state(q_NxBxKxRxDh: jax.Array) -> State:
     """Empty online-softmax state of every row block."""
     # *_like: inside shard_map the state varies over the manual axes as q does.
-    row = q_NxBxKxGxCxDh[..., 0]
+    row = q_NxBxKxRxDh[..., 0]
     return (
         jnp.full_like(row, NEG, jnp.float32),
         jnp.zeros_like(row, jnp.float32),
-        jnp.zeros_like(q_NxBxKxGxCxDh, jnp.float32),
+        jnp.zeros_like(q_NxBxKxRxDh, jnp.float32),
     )
 
 
