@@ -16,9 +16,10 @@ program, half the compile time of a separate diagonal path, no measurable runtim
 Layout. The kernel works block-major and head-major: q ``[N, B, K, G·C, Dh]`` (N blocks of C
 positions; a block's rows are the G query heads grouped under kv head k, C positions each, so
 row r holds head k·G + r // C at position r % C), k and v ``[N, B, K, C, Dh]``. The G heads are
-merged into the rows in the layout itself: a tile's matmuls see G·C rows whatever fusion XLA
-forms around them (with G a batch dimension of its own, YNNPACK fusions of the dots ran 1.4×
-longer).
+merged into the rows in the layout itself, so a tile's matmuls see G·C rows whatever fusion XLA
+forms around them (XLA's default CPU pipeline merged them by folding bitcasts around the dots;
+with YNNPACK's reduce fusions, measured and not kept (BENCHMARKS.md), it left G a batch
+dimension of its own and the tile matmuls took 1.2–1.4× as long).
 A tile's matmuls (2 forward, 5 backward) are then plain batched matmuls over (B, K) reading
 their operands in place (see :func:`tile_grads`), and GQA never materialises repeated k/v
 (``dK``/``dV`` sum over G inside the contraction). The transpositions into and out of this
@@ -119,7 +120,9 @@ def kv_unblocks(x_NxBxKxCxDh: jax.Array, s: int) -> jax.Array:
 
 def scaled(q: jax.Array) -> jax.Array:
     """Queries times ``Dh^-1/2``: the tiles take them so, and no tile multiplies its logits
-    (or dS) by the scale; dq comes out for the scaled queries (times the scale once more)."""
+    (or dS) by the scale; dq comes out for the scaled queries (times the scale once more).
+    Exact when Dh is a power of 4 (the scale a power of 2); otherwise one more rounding of q in
+    its own dtype than scaling the fp32 logits (bf16: a relative 2^-8 at most)."""
     return q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
 
 
