@@ -55,24 +55,32 @@ def _held_logs():
     """Hold orbax's log records (absl) back while a save runs: re-emitted when it succeeds,
     dropped when it fails, because the one-line :class:`CheckpointError` then says what failed
     (a full disk otherwise prints each failed write's traceback)."""
-    held: list[logging.LogRecord] = []
-    log = logging.getLogger("absl")
+    held: list[tuple[logging.Logger, logging.LogRecord]] = []
+    # asyncio too: a write future that fails and is collected while the save is still
+    # unwinding logs "Future exception was never retrieved" before _quiet_orphaned_tasks runs
+    logs = [logging.getLogger("absl"), logging.getLogger("asyncio")]
 
     class Hold(logging.Filter):
+        def __init__(self, log: logging.Logger):
+            super().__init__()
+            self.log = log
+
         def filter(self, record: logging.LogRecord) -> bool:
-            held.append(record)
+            held.append((self.log, record))
             return False
 
-    hold = Hold()
-    log.addFilter(hold)
+    holds = [Hold(log) for log in logs]
+    for log, hold in zip(logs, holds, strict=True):
+        log.addFilter(hold)
     try:
         yield
     except BaseException:
         held.clear()
         raise
     finally:
-        log.removeFilter(hold)
-        for record in held:
+        for log, hold in zip(logs, holds, strict=True):
+            log.removeFilter(hold)
+        for log, record in held:
             log.handle(record)
 
 
@@ -95,10 +103,10 @@ def _quiet_closed_loops() -> None:
 
 
 def _quiet_orphaned_tasks() -> None:
-    """After a failed save, drop asyncio's "Task exception was never retrieved" records: the
-    save's other write tasks fail the same way after orbax has raised the first error, and
-    asyncio logs each one when it is collected (at exit, ~15 lines). The one-line
-    :class:`CheckpointError` already says what failed."""
+    """After a failed save, drop asyncio's "Task/Future exception was never retrieved"
+    records: the save's other write tasks and futures fail the same way after orbax has raised
+    the first error, and asyncio logs each one when it is collected (at exit, ~15 lines). The
+    one-line :class:`CheckpointError` already says what failed."""
     log = logging.getLogger("asyncio")
     if any(getattr(f, "jaxpar_quiet", False) for f in log.filters):
         return
@@ -107,7 +115,8 @@ def _quiet_orphaned_tasks() -> None:
         jaxpar_quiet = True
 
         def filter(self, record: logging.LogRecord) -> bool:
-            return not str(record.msg).startswith("Task exception was never retrieved")
+            first = str(record.msg).split("\n", 1)[0]
+            return not first.endswith(" exception was never retrieved")
 
     log.addFilter(Orphans())
 
