@@ -20,11 +20,14 @@ devices its layout needs: simulating 8 while using 1 costs a few percent) that c
 warms up once and then runs timed bursts of steps on request. The coordinator interleaves the
 bursts (ABBA order over ``--repeats`` rounds) and reports median step times and the
 jaxpar/PyTorch ratio per config: on a shared machine a ratio from interleaved bursts is worth
-more than either absolute time. Both sides use every core of the machine (PyTorch's ranks
-split them). Last line of stdout: one JSON object.
+more than either absolute time; each round's own ratio (its two bursts seconds apart) is
+reported too, with their median and spread. Both sides use every CPU the process may run on
+(PyTorch's ranks split them); ``--cpus N`` narrows that to N, which shows how each side scales
+with cores. Last line of stdout: one JSON object.
 
     python scripts/bench_torch.py                        # both shapes, all configs
     python scripts/bench_torch.py --shapes issue --configs single,ddp4 --repeats 3
+    python scripts/bench_torch.py --shapes issue --configs single --cpus 1
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ CONFIGS = {
     "pp2": dict(devices=2, layout=dict(pp=2, schedule="1f1b", microbatches=4), torch="pp"),
 }
 TAG = "@@bench "  # protocol lines on a worker's stdout start with this
+
+
+def _cpus() -> int:
+    """CPUs this process may run on (its affinity, which ``--cpus`` narrows)."""
+    return len(os.sched_getaffinity(0))
 
 
 def _say(obj) -> None:
@@ -237,7 +245,7 @@ def _rank_main(rank: int, world: int, kind: str, shape: dict, port: int, cmd_q, 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, _cpus() // world))
     torch.manual_seed(0)
     if world > 1:
         dist.init_process_group(
@@ -384,11 +392,15 @@ def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: 
     jx = Worker(["--worker", "jax", shape, config, json.dumps(JAXPAR[shape] | model_overrides)])
     pt = Worker(["--worker", "torch", shape, config])
     times = {"jaxpar": [], "torch": []}
+    rounds = []  # per round: jaxpar's burst median over PyTorch's, the two bursts adjacent in time
     try:
         for r in range(repeats):
             pairs = (("jaxpar", jx), ("torch", pt))
+            burst = {}
             for name, w in pairs if r % 2 == 0 else pairs[::-1]:
-                times[name] += w.run(steps)
+                burst[name] = w.run(steps)
+                times[name] += burst[name]
+            rounds.append(statistics.median(burst["jaxpar"]) / statistics.median(burst["torch"]))
     finally:
         jx.close()
         pt.close()
@@ -399,6 +411,10 @@ def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: 
         "jaxpar_step_s": med["jaxpar"],
         "torch_step_s": med["torch"],
         "ratio": med["jaxpar"] / med["torch"],
+        # Load on a shared machine drifts between rounds; the median of per-round ratios
+        # compares bursts that ran seconds apart, and the spread says how much to trust it.
+        "ratio_rounds": rounds,
+        "ratio_round_median": statistics.median(rounds),
         "jaxpar_first_loss": jx.info["first_loss"],
         "torch_first_loss": pt.info["first_loss"],
         "jaxpar_compile_s": jx.info["compile_s"],
@@ -410,7 +426,8 @@ def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: 
     }
     print(
         f"{shape:6s} {config:8s} jaxpar {med['jaxpar']:.3f} s  torch {med['torch']:.3f} s  "
-        f"ratio {row['ratio']:.2f}  (load {row['load_avg_1m'][0]:.1f}-{row['load_avg_1m'][1]:.1f})",
+        f"ratio {row['ratio']:.2f}  rounds {min(rounds):.2f}-{max(rounds):.2f}  "
+        f"(load {row['load_avg_1m'][0]:.1f}-{row['load_avg_1m'][1]:.1f})",
         file=sys.stderr,
         flush=True,
     )
@@ -432,14 +449,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4, help="bursts per side (interleaved)")
     ap.add_argument("-o", dest="model", action="append", default=[], metavar="FIELD=VALUE",
                     help="jaxpar model override, e.g. -o layer_unroll=1")  # fmt: skip
+    ap.add_argument("--cpus", type=int, default=None,
+                    help="run every worker on the first N CPUs of this process's affinity "
+                         "(both sides' thread pools follow); default: all")  # fmt: skip
     args = ap.parse_args()
+    if args.cpus is not None:
+        have = sorted(os.sched_getaffinity(0))
+        if not 1 <= args.cpus <= len(have):
+            ap.error(f"--cpus={args.cpus}: must be between 1 and the {len(have)} CPUs available")
+        os.sched_setaffinity(0, have[: args.cpus])  # inherited by every worker
     overrides = dict(kv.split("=", 1) for kv in args.model)
     rows = [
         compare(s, c, args.steps, args.repeats, overrides)
         for s in args.shapes.split(",")
         for c in args.configs.split(",")
     ]
-    print(json.dumps({"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "rows": rows}))
+    print(json.dumps({"cpus": _cpus(), "load_avg_1m": os.getloadavg()[0], "rows": rows}))
 
 
 if __name__ == "__main__":

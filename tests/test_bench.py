@@ -1,6 +1,12 @@
 """``jaxpar bench`` on the small config: figures are consistent with each other."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
+import pytest
 
 from jaxpar import hostmem
 from jaxpar.commands.bench import bench
@@ -20,3 +26,58 @@ def test_bench_reports_consistent_figures(make_cfg, tmp_path):
     assert out["host_allocator"] == "system"
     assert out["collective_bytes"] > 0  # dp=2 reduces gradients
     assert any((tmp_path / "trace").rglob("*"))
+
+
+# ---- scripts/bench_torch.py: the protocol, without compiling either side --------------------
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _bench_torch():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import bench_torch
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return bench_torch
+
+
+def test_bench_torch_pairs_each_rounds_bursts(monkeypatch):
+    """Per round, the ratio of the two bursts that ran back to back (ABBA order), and their
+    median; the pooled medians stay as before."""
+    bt = _bench_torch()
+    order = []
+    # jaxpar gets slower each round, PyTorch faster (a drifting machine): 4 rounds, 2 steps.
+    speeds = {"jax": iter([1.0, 1.2, 1.4, 1.6]), "torch": iter([2.0, 1.5, 1.0, 0.5])}
+
+    class Fake:
+        def __init__(self, args):
+            self.kind = args[1]
+            self.info = {"first_loss": 5.5, "compile_s": 1.0}
+
+        def run(self, steps):
+            order.append(self.kind)
+            return [next(speeds[self.kind])] * steps
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bt, "Worker", Fake)
+    row = bt.compare("issue", "single", steps=2, repeats=4, model_overrides={})
+    assert order == ["jax", "torch", "torch", "jax", "jax", "torch", "torch", "jax"]
+    assert row["ratio_rounds"] == pytest.approx([0.5, 1.2 / 1.5, 1.4, 3.2])
+    assert row["ratio_round_median"] == pytest.approx((1.2 / 1.5 + 1.4) / 2)
+    assert row["ratio"] == pytest.approx(1.3 / 1.25) and row["steps"] == 8
+
+
+def test_bench_torch_refuses_cpus_out_of_range():
+    """``--cpus`` beyond this process's CPUs is one line naming the flag and the rule."""
+    have = len(os.sched_getaffinity(0))
+    p = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_torch.py"), "--cpus", str(have + 1)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"bench_torch.py: error: --cpus={have + 1}: must be between 1 and the {have} CPUs available"
+    )
