@@ -103,10 +103,11 @@ def _quiet_closed_loops() -> None:
 
 
 def _quiet_orphaned_tasks() -> None:
-    """After a failed save, drop asyncio's "Task/Future exception was never retrieved"
-    records: the save's other write tasks and futures fail the same way after orbax has raised
-    the first error, and asyncio logs each one when it is collected (at exit, ~15 lines). The
-    one-line :class:`CheckpointError` already says what failed."""
+    """After a failed save, drop asyncio's "Task/Future exception was never retrieved" and
+    "Task was destroyed but it is pending!" records: the save's other write tasks and futures
+    fail the same way after orbax has raised the first error (or are left pending on its closed
+    loop), and asyncio logs each one when it is collected (at exit, ~15 lines). The one-line
+    :class:`CheckpointError` already says what failed."""
     log = logging.getLogger("asyncio")
     if any(getattr(f, "jaxpar_quiet", False) for f in log.filters):
         return
@@ -116,7 +117,8 @@ def _quiet_orphaned_tasks() -> None:
 
         def filter(self, record: logging.LogRecord) -> bool:
             first = str(record.msg).split("\n", 1)[0]
-            return not first.endswith(" exception was never retrieved")
+            orphan = first.endswith(" exception was never retrieved")
+            return not (orphan or first == "Task was destroyed but it is pending!")
 
     log.addFilter(Orphans())
 

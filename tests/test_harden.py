@@ -480,7 +480,8 @@ def test_orphaned_write_tasks_after_a_failed_save_print_nothing():
     asyncio logs each when it is collected. After the failure jaxpar drops those records (and
     nothing else); one collected while the save is still unwinding is held back with orbax's
     records and dropped too, one logged by a save that succeeds comes out. CI once printed an
-    orphaned *Future* the filter did not match (it knew only Tasks)."""
+    orphaned *Future* the filter did not match (it knew only Tasks); a task left pending on the
+    closed loop is the third kind."""
     code = (
         "import asyncio, gc, logging\n"
         "logging.basicConfig()\n"
@@ -490,17 +491,22 @@ def test_orphaned_write_tasks_after_a_failed_save_print_nothing():
         "    loop = asyncio.new_event_loop()\n"
         "    loop.create_task(write()); loop.run_until_complete(asyncio.sleep(0)); loop.close()\n"
         "    gc.collect()\n"
+        "async def pending(): await asyncio.sleep(60)\n"
+        "def orphan_pending():\n"
+        "    loop = asyncio.new_event_loop()\n"
+        "    t = loop.create_task(pending()); loop.run_until_complete(asyncio.sleep(0))\n"
+        "    loop.close(); del t; gc.collect()\n"
         "def orphan_future():\n"
         "    loop = asyncio.new_event_loop()\n"
         "    loop.create_future().set_exception(OSError(27, 'File too large')); loop.close()\n"
         "    gc.collect()\n"
-        "orphan(); orphan_future()\n"  # before: asyncio logs both
+        "orphan(); orphan_future(); orphan_pending()\n"  # before: asyncio logs all three
         "try:\n"
         "    with _held_logs():\n"
         "        orphan_future(); raise OSError(27, 'File too large')\n"  # during a failing save
         "except OSError:\n"
         "    _quiet_orphaned_tasks()\n"
-        "orphan(); orphan_future()\n"  # after: dropped
+        "orphan(); orphan_future(); orphan_pending()\n"  # after: dropped
         "logging.getLogger('asyncio').error('another asyncio error')\n"
         "with _held_logs():\n"
         "    logging.getLogger('asyncio').error('held, then let through')\n"
@@ -509,4 +515,5 @@ def test_orphaned_write_tasks_after_a_failed_save_print_nothing():
     assert p.returncode == 0, p.stderr
     assert p.stderr.count("Task exception was never retrieved") == 1, p.stderr
     assert p.stderr.count("Future exception was never retrieved") == 1, p.stderr
+    assert p.stderr.count("Task was destroyed but it is pending!") == 1, p.stderr
     assert "another asyncio error" in p.stderr and "held, then let through" in p.stderr
