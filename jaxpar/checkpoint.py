@@ -52,25 +52,21 @@ class CheckpointWarning(JaxparWarning):
 
 @contextlib.contextmanager
 def _held_logs():
-    """Hold orbax's log records (absl) back while a save runs: re-emitted when it succeeds,
-    dropped when it fails, because the one-line :class:`CheckpointError` then says what failed
-    (a full disk otherwise prints each failed write's traceback)."""
-    held: list[tuple[logging.Logger, logging.LogRecord]] = []
-    # asyncio too: a write future that fails and is collected while the save is still
-    # unwinding logs "Future exception was never retrieved" before _quiet_orphaned_tasks runs
+    """Hold orbax's log records (absl) and asyncio's back while a save runs: re-emitted when it
+    succeeds, dropped when it fails, because the one-line :class:`CheckpointError` then says
+    what failed (a full disk otherwise prints each failed write's traceback, and a write future
+    collected while the save unwinds logs "Future exception was never retrieved" before
+    :func:`_quiet_orphaned_tasks` is in place)."""
+    held: list[logging.LogRecord] = []
     logs = [logging.getLogger("absl"), logging.getLogger("asyncio")]
 
     class Hold(logging.Filter):
-        def __init__(self, log: logging.Logger):
-            super().__init__()
-            self.log = log
-
         def filter(self, record: logging.LogRecord) -> bool:
-            held.append((self.log, record))
+            held.append(record)
             return False
 
-    holds = [Hold(log) for log in logs]
-    for log, hold in zip(logs, holds, strict=True):
+    hold = Hold()
+    for log in logs:
         log.addFilter(hold)
     try:
         yield
@@ -78,10 +74,11 @@ def _held_logs():
         held.clear()
         raise
     finally:
-        for log, hold in zip(logs, holds, strict=True):
+        for log in logs:
             log.removeFilter(hold)
-        for log, record in held:
-            log.handle(record)
+        # A logger's filters see only the records logged on it: record.name is that logger.
+        for record in held:
+            logging.getLogger(record.name).handle(record)
 
 
 def _quiet_closed_loops() -> None:

@@ -1,4 +1,5 @@
-"""``jaxpar bench`` on the small config: figures are consistent with each other."""
+"""``jaxpar bench`` on the small config: figures are consistent with each other; and
+``scripts/bench_torch.py``'s protocol (round pairing, ``--cpus`` refusal) without compiling."""
 
 import os
 import subprocess
