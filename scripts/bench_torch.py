@@ -28,6 +28,13 @@ with cores. Last line of stdout: one JSON object.
     python scripts/bench_torch.py                        # both shapes, all configs
     python scripts/bench_torch.py --shapes issue --configs single,ddp4 --repeats 3
     python scripts/bench_torch.py --shapes issue --configs single --cpus 1
+    python scripts/bench_torch.py --shapes issue --configs single --attribute
+
+``--attribute`` says what each side's attention core costs inside its step: two more workers per
+config run the same step with the core (jaxpar's kernel, PyTorch's SDPA) replaced by one
+elementwise stand-in, the same on both sides (``o = q ∘ repeat(v + k)`` over each kv head's
+query heads: same shapes, differentiable in q, k and v, no softmax). A side's core cost is its
+step minus its stand-in step; the stand-in steps compare everything but the core.
 """
 
 from __future__ import annotations
@@ -96,8 +103,26 @@ def _tokens(shape: dict, seed: int = 0):
 # jaxpar worker
 
 
-def jax_worker(shape_name: str, config: str, model_overrides: dict) -> None:
-    """Compile the jaxpar train step of ``config`` and serve timed bursts."""
+def standin_jax(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh):
+    """``--attribute``'s attention stand-in, jaxpar's layout: query head h reads kv head
+    h // G."""
+    import jax.numpy as jnp
+
+    g = q_BxSxHxDh.shape[2] // k_BxSxKxDh.shape[2]
+    return q_BxSxHxDh * jnp.repeat(v_BxSxKxDh + k_BxSxKxDh, g, axis=2)
+
+
+def standin_torch(q_BxHxSxDh, k_BxKxSxDh, v_BxKxSxDh, is_causal=True, enable_gqa=True):
+    """The same stand-in in PyTorch's layout, called as ``scaled_dot_product_attention``."""
+    import torch
+
+    g = q_BxHxSxDh.shape[1] // k_BxKxSxDh.shape[1]
+    return q_BxHxSxDh * torch.repeat_interleave(v_BxKxSxDh + k_BxKxSxDh, g, dim=1)
+
+
+def jax_worker(shape_name: str, config: str, model_overrides: dict, core: str = "real") -> None:
+    """Compile the jaxpar train step of ``config`` and serve timed bursts (``core="standin"``:
+    with :func:`standin_jax` as the attention core)."""
     spec, shape = CONFIGS[config], SHAPES[shape_name]
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
@@ -111,6 +136,11 @@ def jax_worker(shape_name: str, config: str, model_overrides: dict) -> None:
     from jaxpar import validation as V
     from jaxpar.train.step import Trainer
 
+    if core == "standin":
+        from jaxpar.model import layers
+
+        # The local (dp/ZeRO) path's core, whatever implementation it resolved to.
+        layers.attention_core = lambda implementation, block: standin_jax
     cfg = C.load("tiny", "cpu-8")
     for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
         setattr(cfg.model, k, shape[k])
@@ -161,11 +191,12 @@ def jax_worker(shape_name: str, config: str, model_overrides: dict) -> None:
 # PyTorch: the model
 
 
-def _torch_model(shape: dict):
+def _torch_model(shape: dict, core: str = "real"):
     import torch
     import torch.nn.functional as F
     from torch import nn
 
+    attend = F.scaled_dot_product_attention if core == "real" else standin_torch
     d, h, kvh, f, v = (shape[k] for k in ("d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"))
     hd, L, std = d // h, shape["n_layers"], 0.02
 
@@ -206,7 +237,7 @@ def _torch_model(shape: dict):
             q = rope(self.wq(y).view(b, s, h, hd).transpose(1, 2))
             k = rope(self.wk(y).view(b, s, kvh, hd).transpose(1, 2))
             val = self.wv(y).view(b, s, kvh, hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, val, is_causal=True, enable_gqa=True)
+            o = attend(q, k, val, is_causal=True, enable_gqa=True)
             x = x + self.wo(o.transpose(1, 2).reshape(b, s, h * hd))
             y = self.n2(x)
             return x + self.down(F.silu(self.gate(y)) * self.up(y))
@@ -241,7 +272,9 @@ def _loss(logits, targets):
 # PyTorch: one rank
 
 
-def _rank_main(rank: int, world: int, kind: str, shape: dict, port: int, cmd_q, res_q) -> None:
+def _rank_main(
+    rank: int, world: int, kind: str, shape: dict, port: int, cmd_q, res_q, core: str = "real"
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -251,7 +284,7 @@ def _rank_main(rank: int, world: int, kind: str, shape: dict, port: int, cmd_q, 
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
-    model = _torch_model(shape)
+    model = _torch_model(shape, core)
     tok = torch.from_numpy(_tokens(shape)).long()
     x_all, y_all = tok[:, :-1], tok[:, 1:]
     if kind in ("ddp", "fsdp2"):
@@ -316,8 +349,9 @@ def _rank_main(rank: int, world: int, kind: str, shape: dict, port: int, cmd_q, 
         dist.destroy_process_group()
 
 
-def torch_worker(shape_name: str, config: str) -> None:
-    """Start the ranks of ``config`` and serve timed bursts (per step: the slowest rank)."""
+def torch_worker(shape_name: str, config: str, core: str = "real") -> None:
+    """Start the ranks of ``config`` and serve timed bursts (per step: the slowest rank;
+    ``core="standin"``: with :func:`standin_torch` as the attention core)."""
     import torch.multiprocessing as mp
 
     spec, shape = CONFIGS[config], SHAPES[shape_name]
@@ -328,7 +362,7 @@ def torch_worker(shape_name: str, config: str) -> None:
         port = s.getsockname()[1]
     cmd_qs, res_q = [ctx.Queue() for _ in range(world)], ctx.Queue()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, kind, shape, port, cmd_qs[r], res_q))
+        ctx.Process(target=_rank_main, args=(r, world, kind, shape, port, cmd_qs[r], res_q, core))
         for r in range(world)
     ]
     for p in procs:
@@ -386,25 +420,35 @@ class Worker:
         self.proc.wait()
 
 
-def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: dict) -> dict:
-    """Interleaved bursts of jaxpar and PyTorch steps for one (shape, config)."""
+def compare(
+    shape: str, config: str, steps: int, repeats: int, model_overrides: dict,
+    attribute: bool = False,
+) -> dict:  # fmt: skip
+    """Interleaved bursts of jaxpar and PyTorch steps for one (shape, config); ``attribute``:
+    also both steps with the attention stand-in, and each side's core cost."""
     load0 = os.getloadavg()[0]
-    jx = Worker(["--worker", "jax", shape, config, json.dumps(JAXPAR[shape] | model_overrides)])
-    pt = Worker(["--worker", "torch", shape, config])
-    times = {"jaxpar": [], "torch": []}
-    rounds = []  # per round: jaxpar's burst median over PyTorch's, the two bursts adjacent in time
+    model = json.dumps(JAXPAR[shape] | model_overrides)
+    cores = ("real", "standin") if attribute else ("real",)
+    workers = {}  # side -> worker, in burst order
     try:
+        for c in cores:
+            tag = "" if c == "real" else "_standin"
+            workers["jaxpar" + tag] = Worker(["--worker", "jax", shape, config, model, c])
+            workers["torch" + tag] = Worker(["--worker", "torch", shape, config, c])
+        times = {name: [] for name in workers}
+        rounds = []  # per round: jaxpar's burst median over PyTorch's, the bursts seconds apart
         for r in range(repeats):
-            pairs = (("jaxpar", jx), ("torch", pt))
+            order = list(workers.items())
             burst = {}
-            for name, w in pairs if r % 2 == 0 else pairs[::-1]:
+            for name, w in order if r % 2 == 0 else order[::-1]:  # ABBA (ABCDDCBA)
                 burst[name] = w.run(steps)
                 times[name] += burst[name]
             rounds.append(statistics.median(burst["jaxpar"]) / statistics.median(burst["torch"]))
     finally:
-        jx.close()
-        pt.close()
+        for w in workers.values():
+            w.close()
     med = {k: statistics.median(v) for k, v in times.items()}
+    jx, pt = workers["jaxpar"], workers["torch"]
     row = {
         "shape": shape,
         "config": config,
@@ -424,10 +468,25 @@ def compare(shape: str, config: str, steps: int, repeats: int, model_overrides: 
         "steps": len(times["jaxpar"]),
         "load_avg_1m": [load0, os.getloadavg()[0]],  # before and after: the machine is shared
     }
-    print(
+    line = (
         f"{shape:6s} {config:8s} jaxpar {med['jaxpar']:.3f} s  torch {med['torch']:.3f} s  "
-        f"ratio {row['ratio']:.2f}  rounds {min(rounds):.2f}-{max(rounds):.2f}  "
-        f"(load {row['load_avg_1m'][0]:.1f}-{row['load_avg_1m'][1]:.1f})",
+        f"ratio {row['ratio']:.2f}  rounds {min(rounds):.2f}-{max(rounds):.2f}"
+    )
+    if attribute:
+        row |= {
+            "jaxpar_standin_step_s": med["jaxpar_standin"],
+            "torch_standin_step_s": med["torch_standin"],
+            # The rest of the step (everything but the core), jaxpar over PyTorch.
+            "rest_ratio": med["jaxpar_standin"] / med["torch_standin"],
+            "jaxpar_core_s": med["jaxpar"] - med["jaxpar_standin"],
+            "torch_core_s": med["torch"] - med["torch_standin"],
+        }
+        line += (
+            f"  core {row['jaxpar_core_s'] * 1e3:.0f} / {row['torch_core_s'] * 1e3:.0f} ms"
+            f"  rest ratio {row['rest_ratio']:.2f}"
+        )
+    print(
+        f"{line}  (load {row['load_avg_1m'][0]:.1f}-{row['load_avg_1m'][1]:.1f})",
         file=sys.stderr,
         flush=True,
     )
@@ -438,9 +497,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         kind, shape, config = sys.argv[2:5]
         if kind == "jax":
-            jax_worker(shape, config, json.loads(sys.argv[5]))
+            jax_worker(shape, config, json.loads(sys.argv[5]), sys.argv[6])
         else:
-            torch_worker(shape, config)
+            torch_worker(shape, config, sys.argv[5])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="issue,wide")
@@ -452,6 +511,9 @@ def main() -> None:
     ap.add_argument("--cpus", type=int, default=None,
                     help="run every worker on the first N CPUs of this process's affinity "
                          "(both sides' thread pools follow); default: all")  # fmt: skip
+    ap.add_argument("--attribute", action="store_true",
+                    help="also run both steps with one elementwise stand-in for the attention "
+                         "core and report each side's core cost (module docstring)")  # fmt: skip
     args = ap.parse_args()
     if args.cpus is not None:
         have = sorted(os.sched_getaffinity(0))
@@ -460,7 +522,7 @@ def main() -> None:
         os.sched_setaffinity(0, have[: args.cpus])  # inherited by every worker
     overrides = dict(kv.split("=", 1) for kv in args.model)
     rows = [
-        compare(s, c, args.steps, args.repeats, overrides)
+        compare(s, c, args.steps, args.repeats, overrides, args.attribute)
         for s in args.shapes.split(",")
         for c in args.configs.split(",")
     ]

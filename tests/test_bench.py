@@ -71,6 +71,57 @@ def test_bench_torch_pairs_each_rounds_bursts(monkeypatch):
     assert row["ratio"] == pytest.approx(1.3 / 1.25) and row["steps"] == 8
 
 
+def test_bench_torch_attribute_runs_four_sides_and_splits_off_the_core(monkeypatch):
+    """``--attribute``: the stand-in steps of both sides join the rounds (ABCDDCBA order); a
+    side's core cost is its step minus its stand-in step, the rest ratio the stand-ins'."""
+    bt = _bench_torch()
+    order = []
+    speeds = {("jax", "real"): 1.0, ("torch", "real"): 0.8, ("jax", "standin"): 0.6,
+              ("torch", "standin"): 0.7}  # fmt: skip
+
+    class Fake:
+        def __init__(self, args):
+            self.side = (args[1], args[-1])
+            self.info = {"first_loss": 5.5, "compile_s": 1.0}
+
+        def run(self, steps):
+            order.append(self.side)
+            return [speeds[self.side]] * steps
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bt, "Worker", Fake)
+    row = bt.compare("issue", "single", steps=2, repeats=2, model_overrides={}, attribute=True)
+    sides = [("jax", "real"), ("torch", "real"), ("jax", "standin"), ("torch", "standin")]
+    assert order == sides + sides[::-1]
+    assert row["jaxpar_core_s"] == pytest.approx(0.4) and row["torch_core_s"] == pytest.approx(0.1)
+    assert row["rest_ratio"] == pytest.approx(0.6 / 0.7) and row["ratio"] == pytest.approx(1.25)
+
+
+def test_bench_torch_standins_compute_the_same_function():
+    """The attribution is fair only if both stand-ins do the same work: same outputs and
+    gradients on the same grouped-query inputs (each side in its own layout)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    bt = _bench_torch()
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 5, h, 4)).astype(np.float32) for h in (6, 3, 3))
+    w = rng.standard_normal((2, 5, 6, 4)).astype(np.float32)  # weights of the scalar loss
+    o_j, g_j = jax.value_and_grad(
+        lambda q, k, v: jnp.sum(bt.standin_jax(q, k, v) * w), argnums=(0, 1, 2)
+    )(q, k, v)
+    tq, tk, tv = (torch.tensor(x.transpose(0, 2, 1, 3), requires_grad=True) for x in (q, k, v))
+    o_t = (bt.standin_torch(tq, tk, tv) * torch.tensor(w.transpose(0, 2, 1, 3))).sum()
+    o_t.backward()
+    assert float(o_j) == pytest.approx(float(o_t), rel=1e-5)
+    for gj, t in zip(g_j, (tq, tk, tv), strict=True):
+        np.testing.assert_allclose(np.asarray(gj), t.grad.numpy().transpose(0, 2, 1, 3), rtol=1e-5)
+
+
 def test_bench_torch_refuses_cpus_out_of_range():
     """``--cpus`` beyond this process's CPUs is one line naming the flag and the rule."""
     have = len(os.sched_getaffinity(0))
