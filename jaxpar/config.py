@@ -29,7 +29,7 @@ SP_MODES = ("ulysses", "ring")
 REMAT = ("none", "full", "selective", "offload")
 OFFLOAD = ("none", "optimizer", "params")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION = ("auto", "blockwise", "dense", "cudnn")
+ATTENTION = ("auto", "blockwise", "dense", "cudnn", "native")
 ON_NONFINITE = ("skip", "stop")
 PLATFORMS = ("cpu", "gpu", "tpu")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # token files (.bin)
@@ -54,7 +54,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # How the model runs (no effect on parameter shapes; README "Attention and the layer loop").
-    attention: str = "auto"  # auto | blockwise | dense | cudnn (jaxpar.model.attention)
+    attention: str = "auto"  # auto | native | blockwise | dense | cudnn (model.attention)
     attention_block: int = 64  # query/key positions per tile of the blockwise kernel
     layer_unroll: int = 1  # layer loop: 1 = lax.scan, k = unrolled by k, 0 = no loop
     loss_chunk: int = 1024  # sequence positions per cross-entropy chunk ([B, chunk, V] logits)

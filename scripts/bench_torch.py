@@ -167,10 +167,13 @@ def jax_worker(shape_name: str, config: str, model_overrides: dict, core: str = 
         losses.append(float(m["loss"]))
     from jaxpar.model.attention import nvidia, resolve
 
+    dev = jax.devices()[0]
     impl = resolve(
-        cfg.model.attention, nvidia(jax.devices()[0]), tr.compute_dtype, cfg.model.hd,
-        tr.rules.attention,
+        cfg.model.attention, nvidia(dev), tr.compute_dtype, cfg.model.hd, tr.rules.attention,
+        dev.platform,
     )  # fmt: skip
+    if core == "standin":
+        impl = "standin"
     from jaxpar import hostmem
 
     _say({

@@ -67,6 +67,21 @@ def test_blockwise_matches_dense_with_gqa(block):
     _close(got, ref)
 
 
+@pytest.mark.parametrize(
+    "s, h, kvh, dh", [(37, 4, 2, 16), (100, 4, 4, 32), (70, 8, 2, 64), (65, 2, 1, 128)]
+)
+def test_native_matches_dense(s, h, kvh, dh):
+    """The native CPU kernel (jaxpar/native/flash_cpu.cc): output and dq, dk, dv equal the
+    dense causal reference, with GQA and without, every head dim it takes, sequences that its
+    64-position tiles do not divide (one and two partial tiles)."""
+    from jaxpar.model import native
+
+    assert native.unavailable() is None  # a C++ compiler is part of the test machine
+    q, k, v, w = _qkv(b=3, s=s, h=h, kvh=kvh, dh=dh)
+    _close(_value_and_grads(native.flash_attention, q, k, v, w),
+           _value_and_grads(causal_attention, q, k, v, w))  # fmt: skip
+
+
 def test_causal_mask_and_skipped_tiles(monkeypatch):
     """The past never sees the future (changing keys/values at position t leaves every output
     before t unchanged), and forward and backward visit only the n(n+1)/2 lower-triangular
@@ -113,10 +128,10 @@ def test_attention_temporaries_grow_linearly_with_the_sequence():
 # The model on every layout
 
 
-def _cfg(**layout):
+def _cfg(attention="blockwise", **layout):
     cfg = small_config(**layout)
     cfg.model.n_layers = 2
-    cfg.model.attention = "blockwise"
+    cfg.model.attention = attention
     cfg.model.attention_block = 8  # 4 blocks of the 32 positions, 2 per ring shard
     cfg.model.loss_chunk = 8  # 4 cross-entropy chunks
     cfg.train.global_batch = 8
@@ -149,12 +164,17 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_loss_and_every_gradient_match_dense_reference(name):
+@pytest.mark.parametrize(
+    "name, attention",
+    [(n, "blockwise") for n in LAYOUTS] + [(n, "native") for n in LAYOUTS if n != "ring2"],
+)
+def test_loss_and_every_gradient_match_dense_reference(name, attention):
+    """Every layout, with the blockwise kernel and with the native one (ring attention runs
+    the blockwise kernel only), against the dense one-device model (head dim 16)."""
     ref = _reference()
     layout = dict(LAYOUTS[name])
     unroll = layout.pop("layer_unroll", 1)
-    cfg = _cfg(**layout)
+    cfg = _cfg(attention, **layout)
     cfg.model.layer_unroll = unroll
     V.validate(cfg, cfg.layout.n_devices)
     tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
@@ -259,6 +279,61 @@ def test_auto_picks_cudnn_only_where_it_applies():
     assert resolve("dense", False, jnp.float32, 64) == "dense"
 
 
+def test_auto_picks_native_on_cpu_in_float32_only():
+    """The native kernel where it applies (CPU, float32, head dims 16/32/64/128, not ring);
+    the blockwise one elsewhere, and wherever the platform is not known."""
+    assert resolve("auto", False, jnp.float32, 64, platform="cpu") == "native"
+    assert resolve("auto", False, jnp.bfloat16, 64, platform="cpu") == "blockwise"
+    assert resolve("auto", False, jnp.float32, 48, platform="cpu") == "blockwise"
+    assert resolve("auto", False, jnp.float32, 64, "ring", platform="cpu") == "blockwise"
+    assert resolve("auto", True, jnp.float32, 64, platform="gpu") == "blockwise"
+    assert resolve("auto", False, jnp.float32, 64) == "blockwise"
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, mode, platform, match",
+    ids=["bf16", "head-dim", "ring", "gpu"],
+    argvalues=[
+        (jnp.bfloat16, 64, "local", "cpu", "the native kernel computes in float32 only; this "
+         "run computes in bfloat16"),
+        (jnp.float32, 48, "local", "cpu", "head dim 48: the native kernel takes 16, 32, 64, 128"),
+        (jnp.float32, 64, "ring", "cpu", r"ring attention \(layout.sp_mode='ring'\) runs the "
+         "blockwise kernel"),
+        (jnp.float32, 64, "local", "gpu", "the native kernel runs on CPU only; this run is on gpu"),
+    ],
+)  # fmt: skip
+def test_forced_native_refused_where_it_cannot_run(dtype, head_dim, mode, platform, match):
+    with pytest.raises(ConfigError, match=f"model.attention='native': {match}") as e:
+        resolve("native", False, dtype, head_dim, mode, platform)
+    assert "\n" not in str(e.value)
+
+
+def test_native_without_a_compiler_falls_back_or_refuses(tmp_path):
+    """No C++ compiler (``CXX`` names none) and nothing built yet: ``auto`` keeps the blockwise
+    kernel, a forced ``native`` is one line saying why."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import jax.numpy as jnp\n"
+        "from jaxpar.errors import ConfigError\n"
+        "from jaxpar.model.attention import resolve\n"
+        "print(resolve('auto', False, jnp.float32, 32, platform='cpu'))\n"
+        "try:\n"
+        "    resolve('native', False, jnp.float32, 32, platform='cpu')\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n"
+    )
+    env = dict(os.environ, CXX="no-such-compiler", JAXPAR_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.splitlines()  # fmt: skip
+    assert out == [
+        "blockwise",
+        "model.attention='native': no C++ compiler found ($CXX, g++, c++ or clang++)",
+    ]
+
+
 @pytest.mark.parametrize(
     "setting, layout, match",
     ids=["cudnn-on-cpu", "dense-ring", "unknown"],
@@ -266,7 +341,8 @@ def test_auto_picks_cudnn_only_where_it_applies():
         ("cudnn", {}, r"model.attention='cudnn': needs an NVIDIA GPU.*no NVIDIA GPU, compute "
          r"dtype float32"),
         ("dense", dict(sp=2, sp_mode="ring"), r"model.attention='dense': ring attention"),
-        ("flash", {}, r"model.attention='flash': must be one of auto, blockwise, dense, cudnn"),
+        ("flash", {}, r"model.attention='flash': must be one of auto, blockwise, dense, cudnn, "
+         "native"),
     ],
 )  # fmt: skip
 def test_refused_in_one_line_before_compiling(setting, layout, match, monkeypatch):

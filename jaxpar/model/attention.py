@@ -1,12 +1,15 @@
-"""The attention core — dense, blockwise or cuDNN — and its sequence-parallel forms.
+"""The attention core (dense, blockwise, native or cuDNN) and its sequence-parallel forms.
 
 A core is a function ``(q [B, S, H, Dh], k [B, S, K, Dh], v) -> o [B, S, H, Dh]``: causal,
 grouped-query (H = K·G), on whatever heads and full sequences the caller's sharding leaves
 local. ``model.attention`` picks it (:func:`resolve`):
 
+* ``native`` (:func:`jaxpar.model.native.flash_attention`): the same math as a C++ XLA:CPU
+  kernel threaded over (batch row, kv head) pairs; CPU, fp32, head dim 16/32/64/128, built on
+  first use with the machine's C++ compiler. ``auto`` takes it on CPU in fp32.
 * ``blockwise`` (:func:`jaxpar.model.flash.blockwise_attention`): flash-style tiles with a
-  custom backward; memory linear in the sequence, masked tiles skipped. The default off NVIDIA
-  GPUs and whenever the compute dtype is fp32.
+  custom backward; memory linear in the sequence, masked tiles skipped. The default where
+  neither ``cudnn`` nor ``native`` applies (and ring attention's kernel).
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused flash
   attention; NVIDIA GPUs, bf16/fp16, head dim a multiple of 8 up to 128. ``auto`` takes it
   wherever it applies.
@@ -52,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ATTENTION as IMPLEMENTATIONS
 from jaxpar.config import RunConfig
 from jaxpar.errors import ConfigError
-from jaxpar.model import flash
+from jaxpar.model import flash, native
 from jaxpar.model.names import resharded
 from jaxpar.sharding import constrain
 
@@ -89,22 +92,35 @@ def cudnn_applies(on_nvidia: bool, dtype, head_dim: int) -> bool:
     return on_nvidia and half and head_dim % 8 == 0 and head_dim <= 128
 
 
-def resolve(setting: str, on_nvidia: bool, dtype, head_dim: int, mode: str = "local") -> str:
+def resolve(
+    setting: str, on_nvidia: bool, dtype, head_dim: int, mode: str = "local",
+    platform: str | None = None,
+) -> str:  # fmt: skip
     """The implementation ``model.attention = setting`` runs as; a forced one the platform,
-    dtype or parallel form cannot run is refused in one line naming both."""
+    dtype or parallel form cannot run is refused in one line naming both. ``platform``: the
+    device's (``"cpu"`` admits the native kernel; None: not known, so not admitted)."""
     if setting not in IMPLEMENTATIONS:
         allowed = ", ".join(IMPLEMENTATIONS)
         raise ConfigError(f"model.attention={setting!r}: must be one of {allowed}")
     fits = cudnn_applies(on_nvidia, dtype, head_dim)
     if mode == "ring":
-        if setting in ("dense", "cudnn"):
+        if setting in ("dense", "cudnn", "native"):
             raise ConfigError(
                 f"model.attention={setting!r}: ring attention (layout.sp_mode='ring') runs the "
                 "blockwise kernel; use auto or blockwise"
             )
         return "blockwise"
+    why_not_native = (
+        native.applies(platform, dtype, head_dim) if platform else "the platform is not known"
+    )
     if setting == "auto":
-        return "cudnn" if fits else "blockwise"
+        if fits:
+            return "cudnn"
+        return "native" if why_not_native is None and native.unavailable() is None else "blockwise"
+    if setting == "native":
+        why = why_not_native or native.unavailable()
+        if why is not None:
+            raise ConfigError(f"model.attention='native': {why}")
     if setting == "cudnn" and not fits:
         where = "an NVIDIA GPU" if on_nvidia else "no NVIDIA GPU"
         raise ConfigError(
@@ -120,7 +136,9 @@ def implementation_for(cfg: RunConfig, device: jax.Device) -> str:
     form); raises :class:`ConfigError` for a forced one it cannot run."""
     lay = cfg.layout
     mode = "ring" if lay.sp > 1 and lay.sp_mode == "ring" else "local"
-    return resolve(cfg.model.attention, nvidia(device), lay.compute_dtype, cfg.model.hd, mode)
+    return resolve(
+        cfg.model.attention, nvidia(device), lay.compute_dtype, cfg.model.hd, mode, device.platform
+    )
 
 
 def core(implementation: str, block: int) -> Core:
@@ -131,6 +149,8 @@ def core(implementation: str, block: int) -> Core:
         return partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
     if implementation == "dense":
         return causal_attention
+    if implementation == "native":
+        return native.flash_attention
     raise ValueError(f"attention implementation {implementation!r}: not resolved")
 
 

@@ -177,7 +177,8 @@ class Attention(nnx.Module):
         """The attention implementation this layer runs (:func:`attention.resolve`)."""
         rules = active_rules()
         mode = rules.attention if rules else "local"
-        return resolve(self.attention, nvidia(jax.devices()[0]), dtype, head_dim, mode)
+        device = jax.devices()[0]
+        return resolve(self.attention, nvidia(device), dtype, head_dim, mode, device.platform)
 
     def core(self, q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array):
         """Causal attention of the layout's parallel form (local, Ulysses or ring) with the

@@ -1,0 +1,187 @@
+"""The attention core as a native XLA:CPU kernel: causal grouped-query flash attention in C++.
+
+XLA:CPU runs a batched matmul's batch on one thread and does not run loops side by side, so the
+blockwise kernel (:mod:`jaxpar.model.flash`) leaves every core but one idle while its tiles run
+(BENCHMARKS.md, "A second machine"). ``jaxpar/native/flash_cpu.cc`` holds the same math
+(FlashAttention-2: the forward keeps the log-sum-exp, the backward recomputes the tiles) as two
+XLA FFI handlers that split the (batch row, kv head) pairs over XLA's intra-op thread pool.
+
+Build. On first use the source is compiled with the machine's C++ compiler (``$CXX``, else
+``g++``, ``c++`` or ``clang++`` on the PATH; ``-O3 -march=native``, against the XLA FFI headers
+that jaxlib ships) into ``$JAXPAR_CACHE_DIR/native`` (default ``~/.cache/jaxpar/native``),
+one file per source, compiler, jax version and host, written under a temporary name and renamed
+into place so that concurrent processes never load a half-written library. Without a compiler
+(or when the build fails) :func:`unavailable` says why, ``model.attention=auto`` keeps the
+blockwise kernel and a forced ``native`` is refused in one line.
+
+Envelope: CPU, float32, head dim 16, 32, 64 or 128. Under a mesh the kernel runs per device in a
+``jax.shard_map`` over the mesh axes that shard its operands (batch over dp, heads over tp, as
+the layout's rules say), so GSPMD never gathers q, k or v for it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = Path(__file__).resolve().parent.parent / "native" / "flash_cpu.cc"
+HEAD_DIMS = (16, 32, 64, 128)
+_FWD, _BWD = "jaxpar_flash_cpu_forward", "jaxpar_flash_cpu_backward"
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx)
+    return next((p for c in ("g++", "c++", "clang++") if (p := shutil.which(c))), None)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("JAXPAR_CACHE_DIR") or Path.home() / ".cache" / "jaxpar"
+    return Path(root) / "native"
+
+
+@functools.cache
+def _build() -> tuple[Path | None, str | None]:
+    """``(library, None)`` once built, or ``(None, reason)``."""
+    cxx = _compiler()
+    if cxx is None:
+        return None, "no C++ compiler found ($CXX, g++, c++ or clang++)"
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                SOURCE.read_bytes(),
+                cxx.encode(),
+                " ".join(flags).encode(),
+                jax.__version__.encode(),
+                platform.node().encode(),
+                platform.machine().encode(),
+            ]
+        )  # fmt: skip
+    ).hexdigest()[:16]
+    lib = _cache_dir() / f"flash_cpu-{key}.so"
+    if lib.exists():
+        return lib, None
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+    os.close(fd)
+    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        Path(tmp).unlink(missing_ok=True)
+        return None, f"compiling {SOURCE.name} failed: {e}"
+    if done.returncode != 0:
+        Path(tmp).unlink(missing_ok=True)
+        first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
+        return None, f"compiling {SOURCE.name} with {cxx} failed: {first}"
+    os.replace(tmp, lib)
+    return lib, None
+
+
+@functools.cache
+def _register() -> str | None:
+    """Build and register the two FFI targets once; the reason when that is impossible."""
+    lib, why = _build()
+    if lib is None:
+        return why
+    try:
+        so = ctypes.CDLL(str(lib))
+        for name, sym in ((_FWD, so.JaxparFlashCpuForward), (_BWD, so.JaxparFlashCpuBackward)):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(sym), platform="cpu")
+    except (OSError, AttributeError) as e:
+        return f"loading {lib} failed: {e}"
+    return None
+
+
+def unavailable() -> str | None:
+    """Why the native kernel cannot run in this process (None: it can)."""
+    return _register()
+
+
+def applies(platform_name: str, dtype, head_dim: int) -> str | None:
+    """Why the native kernel does not apply to this platform, dtype and head dim (None: it
+    does, if :func:`unavailable` agrees)."""
+    if platform_name != "cpu":
+        return f"the native kernel runs on CPU only; this run is on {platform_name}"
+    if jnp.dtype(dtype) != jnp.dtype(jnp.float32):
+        return (
+            "the native kernel computes in float32 only; this run computes in "
+            f"{jnp.dtype(dtype).name}"
+        )
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim}: the native kernel takes {', '.join(map(str, HEAD_DIMS))}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The core
+
+
+def _forward(q, k, v):
+    b, s, h, _ = q.shape
+    o, lse = jax.ffi.ffi_call(
+        _FWD, (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, s), q.dtype))
+    )(q, k, v)
+    return o, (q, k, v, o, lse)
+
+
+def _backward(res, do):
+    q, k, v, o, lse = res
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    return tuple(jax.ffi.ffi_call(_BWD, shapes)(q, k, v, o, lse, do))
+
+
+@jax.custom_vjp
+def _local(q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array) -> jax.Array:
+    return _forward(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)[0]
+
+
+_local.defvjp(_forward, _backward)
+
+
+def flash_attention(
+    q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array
+) -> jax.Array:
+    """Causal grouped-query attention (H = K·G, query head h reads kv head h // G), fp32.
+
+    Saves q, k, v, o and the log-sum-exp for the backward, as the blockwise kernel does. Under
+    active sharding rules it runs per device (``shard_map`` over the axes that shard q, k, v).
+    """
+    why = unavailable()
+    if why is not None:
+        raise RuntimeError(f"model.attention='native': {why}")
+    from jaxpar.sharding import active_rules
+
+    rules = active_rules()
+    if rules is None:
+        return _local(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
+    # The layouts the Ulysses wrapper constrained q, k and v to (attention.ulysses).
+    q_spec = rules.spec(("batch", "attn_seq", "attn_heads", "head_dim"))
+    kv_spec = rules.spec(("batch", "attn_seq", "attn_kv_heads", "head_dim"))
+    axes = {
+        a for part in (*q_spec, *kv_spec) if part
+        for a in (part if isinstance(part, tuple) else (part,))
+    }  # fmt: skip
+    if not axes:
+        return _local(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
+    # check_vma off: the FFI results carry no varying-axes type for the custom VJP to match.
+    fn = jax.shard_map(
+        _local,
+        in_specs=(q_spec, kv_spec, kv_spec),
+        out_specs=q_spec,
+        axis_names=axes,
+        check_vma=False,
+    )
+    return fn(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
