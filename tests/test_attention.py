@@ -308,6 +308,19 @@ def test_forced_native_refused_where_it_cannot_run(dtype, head_dim, mode, platfo
     assert "\n" not in str(e.value)
 
 
+def test_native_refuses_a_sharded_sequence():
+    """Called directly under ring rules (resolve never picks it there) the kernel refuses: a
+    device holding part of the sequence would attend to its own keys only."""
+    from jaxpar.model import native
+    from jaxpar.sharding import rules_for, use_rules
+
+    cfg = _cfg(sp=2, sp_mode="ring")
+    q, k, v, _ = _qkv(dh=16)
+    with use_rules(rules_for(cfg.model, cfg.layout)):
+        with pytest.raises(ConfigError, match="the sequence is sharded"):
+            native.flash_attention(q, k, v)
+
+
 def test_native_without_a_compiler_falls_back_or_refuses(tmp_path):
     """No C++ compiler (``CXX`` names none) and nothing built yet: ``auto`` keeps the blockwise
     kernel, a forced ``native`` is one line saying why."""
@@ -336,10 +349,12 @@ def test_native_without_a_compiler_falls_back_or_refuses(tmp_path):
 
 @pytest.mark.parametrize(
     "setting, layout, match",
-    ids=["cudnn-on-cpu", "dense-ring", "unknown"],
+    ids=["cudnn-on-cpu", "native-bf16", "dense-ring", "unknown"],
     argvalues=[
         ("cudnn", {}, r"model.attention='cudnn': needs an NVIDIA GPU.*no NVIDIA GPU, compute "
          r"dtype float32"),
+        ("native", dict(compute_dtype="bfloat16"), r"model.attention='native': the native "
+         r"kernel computes in float32 only; this run computes in bfloat16"),
         ("dense", dict(sp=2, sp_mode="ring"), r"model.attention='dense': ring attention"),
         ("flash", {}, r"model.attention='flash': must be one of auto, blockwise, dense, cudnn, "
          "native"),

@@ -6,8 +6,8 @@ run ``--warmup`` steps, then ``--steps`` timed steps (each synchronised with
 ``theory.train_flops_per_token`` (6Ψ + 12·l·h·s, no recompute: MFU, not HFU), against the
 mesh file's ``peak_flops_bf16``. On GPU the step runs as configured (``--compute-dtype
 bfloat16`` is the mesh files' default there). The attention is ``model.attention``'s
-(:mod:`jaxpar.model.attention`: cuDNN flash attention on NVIDIA GPUs in bf16, the blockwise
-kernel elsewhere; neither keeps the s×s scores).
+(:mod:`jaxpar.model.attention`: cuDNN flash attention on NVIDIA GPUs in bf16, the native
+kernel on CPU in fp32, the blockwise kernel elsewhere; none keeps the s×s scores).
 """
 
 from __future__ import annotations

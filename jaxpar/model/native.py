@@ -34,6 +34,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxpar.errors import ConfigError
+from jaxpar.sharding import active_rules
+
 SOURCE = Path(__file__).resolve().parent.parent / "native" / "flash_cpu.cc"
 HEAD_DIMS = (16, 32, 64, 128)
 _FWD, _BWD = "jaxpar_flash_cpu_forward", "jaxpar_flash_cpu_backward"
@@ -68,7 +71,7 @@ def _build() -> tuple[Path | None, str | None]:
                 platform.node().encode(),
                 platform.machine().encode(),
             ]
-        )  # fmt: skip
+        )
     ).hexdigest()[:16]
     lib = _cache_dir() / f"flash_cpu-{key}.so"
     if lib.exists():
@@ -161,12 +164,12 @@ def flash_attention(
     """
     why = unavailable()
     if why is not None:
-        raise RuntimeError(f"model.attention='native': {why}")
-    from jaxpar.sharding import active_rules
-
+        raise ConfigError(f"model.attention='native': {why}")
     rules = active_rules()
     if rules is None:
         return _local(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
+    if rules.attention == "ring":  # resolve() never picks it there: each device needs all keys
+        raise ConfigError("model.attention='native': the sequence is sharded (ring attention)")
     # The layouts the Ulysses wrapper constrained q, k and v to (attention.ulysses).
     q_spec = rules.spec(("batch", "attn_seq", "attn_heads", "head_dim"))
     kv_spec = rules.spec(("batch", "attn_seq", "attn_kv_heads", "head_dim"))

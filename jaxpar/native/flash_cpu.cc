@@ -16,7 +16,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -24,6 +23,8 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using Buf = ffi::Buffer<ffi::F32>;
+using Out = ffi::ResultBuffer<ffi::F32>;
 
 namespace {
 
@@ -66,8 +67,8 @@ inline v16 exp_v(v16 x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const i16 bits = reinterpret_cast<i16&>(p) + (__builtin_convertvector(n, i16) << 23);
-  return reinterpret_cast<const v16&>(bits);
+  // Casts between vector types of one size reinterpret the bits (GCC/Clang vector extensions).
+  return (v16)((i16)p + (__builtin_convertvector(n, i16) << 23));
 }
 
 inline float exp_neg(float x) { return exp_v(splat(x))[0]; }
@@ -94,17 +95,16 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
 }
 
 // The tile products, row-major, in 16-float vectors with the accumulators held in
-// registers. R rows of a query tile, kBlock = 64 keys, D a template constant.
+// registers. R = G·kBlock rows of a query tile, kBlock = 64 keys, D a template constant.
 
 // out[r][c] = Σ_d a[r][d] · bt[d][c] for c < width (a multiple of kBlock; bt: D rows of
-// stride ldb; out: rows of stride ldo).
+// stride ldb; out: rows of stride ldo); rows a multiple of 4 (every caller's: R or kBlock).
 template <int D>
 void mul_abt(const float* a, const float* bt, int64_t ldb, int64_t rows, int64_t width,
              float* out, int64_t ldo) {
   constexpr int kV = kBlock / 16;
   for (int64_t w0 = 0; w0 < width; w0 += kBlock) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
+    for (int64_t r = 0; r < rows; r += 4) {
       v16 acc[4][kV] = {};
       for (int d = 0; d < D; ++d) {
         v16 b[kV];
@@ -117,22 +117,17 @@ void mul_abt(const float* a, const float* bt, int64_t ldb, int64_t rows, int64_t
       for (int i = 0; i < 4; ++i)
         for (int v = 0; v < kV; ++v) store(out + (r + i) * ldo + w0 + 16 * v, acc[i][v]);
     }
-    for (; r < rows; ++r) {
-      v16 acc[kV] = {};
-      for (int d = 0; d < D; ++d)
-        for (int v = 0; v < kV; ++v)
-          acc[v] += splat(a[r * D + d]) * load(bt + d * ldb + w0 + 16 * v);
-      for (int v = 0; v < kV; ++v) store(out + r * ldo + w0 + 16 * v, acc[v]);
-    }
   }
 }
 
-// out[r][c] += Σ_k p[r][k] · b[k][c] for r < rows, c < width (a multiple of kBlock), k < inner;
-// strides ldp, ldb, ldo. The runtime-width form of mul_pb (dQᵀ += Kᵀ · dSᵀ).
-inline void mul_pw(const float* p, int64_t ldp, int64_t inner, const float* b, int64_t ldb,
-                   int64_t rows, int64_t width, float* out, int64_t ldo) {
-  constexpr int kV = kBlock / 16;
-  for (int64_t w0 = 0; w0 < width; w0 += kBlock)
+// out[r][c] += Σ_k p[r][k] · b[k][c] for r < rows, c < width, k < inner (strides ldp, ldb,
+// ldo), in passes of 4 rows × W columns (W: 16, 32 or 64 dividing width; 4·W/16 accumulators).
+// P·V and dS·K (width D), Pᵀ·dO and dSᵀ·Q (width D), Kᵀ·dSᵀ (width R).
+template <int W>
+void mul_acc(const float* p, int64_t ldp, int64_t inner, const float* b, int64_t ldb,
+             int64_t rows, int64_t width, float* out, int64_t ldo) {
+  constexpr int kV = W / 16;
+  for (int64_t w0 = 0; w0 < width; w0 += W)
     for (int64_t r = 0; r < rows; r += 4) {
       const int nr = static_cast<int>(std::min<int64_t>(4, rows - r));
       v16 acc[4][kV];
@@ -151,34 +146,11 @@ inline void mul_pw(const float* p, int64_t ldp, int64_t inner, const float* b, i
     }
 }
 
-// out[r][:] += Σ_c p[r][c] · b[c][:]  (p: rows × inner with row stride ldp, b: inner × D).
+// out [rows][D] += p [rows][inner] (row stride ldp) · b [inner][D].
 template <int D>
 void mul_pb(const float* p, int64_t ldp, int64_t inner, const float* b, int64_t rows,
             float* out) {
-  constexpr int kV = D / 16, kR = D <= 64 ? 4 : 2;  // kR·kV ≤ 16 accumulators
-  int64_t r = 0;
-  for (; r + kR <= rows; r += kR) {
-    v16 acc[kR][kV];
-    for (int i = 0; i < kR; ++i)
-      for (int v = 0; v < kV; ++v) acc[i][v] = load(out + (r + i) * D + 16 * v);
-    for (int64_t c = 0; c < inner; ++c) {
-      v16 bc[kV];
-      for (int v = 0; v < kV; ++v) bc[v] = load(b + c * D + 16 * v);
-      for (int i = 0; i < kR; ++i) {
-        const v16 x = splat(p[(r + i) * ldp + c]);
-        for (int v = 0; v < kV; ++v) acc[i][v] += x * bc[v];
-      }
-    }
-    for (int i = 0; i < kR; ++i)
-      for (int v = 0; v < kV; ++v) store(out + (r + i) * D + 16 * v, acc[i][v]);
-  }
-  for (; r < rows; ++r) {
-    v16 acc[kV];
-    for (int v = 0; v < kV; ++v) acc[v] = load(out + r * D + 16 * v);
-    for (int64_t c = 0; c < inner; ++c)
-      for (int v = 0; v < kV; ++v) acc[v] += splat(p[r * ldp + c]) * load(b + c * D + 16 * v);
-    for (int v = 0; v < kV; ++v) store(out + r * D + 16 * v, acc[v]);
-  }
+  mul_acc<(D < 64 ? D : 64)>(p, ldp, inner, b, D, rows, D, out, D);
 }
 
 // x [rows][cols] -> xt [cols][rows]
@@ -265,7 +237,7 @@ void forward_task(const float* qp, const float* kp, const float* vp, float* op, 
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   KV kv;
   pack_kv(kp, vp, m, b, kh, kv);
-  std::vector<float> rows(nrows * D), sc(nrows * kBlock), acc(nrows * D), pv(nrows * D);
+  std::vector<float> rows(nrows * D), sc(nrows * kBlock), acc(nrows * D);
   std::vector<float> top(nrows), den(nrows);
   for (int64_t i = 0; i < m.nb; ++i) {
     pack_rows(qp, m, b, kh, i, scale, rows.data());
@@ -350,8 +322,8 @@ void backward_task(const float* qp, const float* kp, const float* vp, const floa
       }
       mul_pb<D>(pt.data(), nrows, nrows, dor.data(), kBlock, dva.data() + j * kBlock * D);
       mul_pb<D>(ds.data(), nrows, nrows, rows.data(), kBlock, dka.data() + j * kBlock * D);
-      mul_pw(kv.kt.data() + j * kBlock, sp, kBlock, ds.data(), nrows, D, nrows, dqt.data(),
-             nrows);  // dQᵀ += Kᵀ_j · dSᵀ
+      mul_acc<kBlock>(kv.kt.data() + j * kBlock, sp, kBlock, ds.data(), nrows, D, nrows,
+                      dqt.data(), nrows);  // dQᵀ += Kᵀ_j · dSᵀ
     }
     transpose(dqt.data(), D, nrows, dq.data());
     for (int64_t r = 0; r < nrows; ++r) {
@@ -370,12 +342,12 @@ void backward_task(const float* qp, const float* kp, const float* vp, const floa
   }
 }
 
-Dims dims_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k) {
+Dims dims_of(Buf& q, Buf& k) {
   auto qd = q.dimensions(), kd = k.dimensions();
   return Dims{qd[0], qd[1], qd[2], kd[2], qd[3], qd[2] / kd[2], (qd[1] + kBlock - 1) / kBlock};
 }
 
-ffi::Error check(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k) {
+ffi::Error check(Buf& q, Buf& k) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] || qd[3] != kd[3] ||
       kd[2] == 0 || qd[2] % kd[2] != 0)
@@ -393,9 +365,7 @@ ffi::Error check(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k) {
     default: call(128); break;      \
   }
 
-ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
-                   ffi::ResultBuffer<ffi::F32> lse) {
+ffi::Error Forward(ffi::ThreadPool pool, Buf q, Buf k, Buf v, Out o, Out lse) {
   if (auto e = check(q, k); e.failure()) return e;
   const Dims m = dims_of(q, k);
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
@@ -408,10 +378,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse,
-                    ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
-                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
+ffi::Error Backward(ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout,
+                    Out dq, Out dk, Out dv) {
   if (auto e = check(q, k); e.failure()) return e;
   const Dims m = dims_of(q, k);
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
@@ -428,24 +396,13 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxparFlashCpuForward, Forward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// Bindings: q, k, v -> o, lse; q, k, v, o, lse, dO -> dq, dk, dv.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxparFlashCpuForward, Forward,
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Ret<Buf>().Ret<Buf>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxparFlashCpuBackward, Backward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>()
+                                  .Ret<Buf>().Ret<Buf>().Ret<Buf>());

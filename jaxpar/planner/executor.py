@@ -20,7 +20,8 @@ class Executor:
 
     * ``attention``: ``dense`` keeps the s×s probabilities for the backward (jaxpar's
       ``model.attention=dense``); ``blockwise`` keeps q, k, v, o and the log-sum-exp only
-      (flash-style: cuDNN, FlashAttention, jaxpar's blockwise kernel) and skips fully masked
+      (flash-style: cuDNN, FlashAttention, jaxpar's blockwise and native kernels; the native
+      one's per-thread scratch is linear in the sequence too) and skips fully masked
       blocks, so it runs half the score FLOPs of a causal sequence.
     * ``loss``: ``dense`` materialises fp32 logits ``[tokens, V/tp]`` (and their gradient);
       ``chunked`` processes ``loss_chunk`` tokens at a time.
@@ -74,10 +75,11 @@ class Executor:
 
 
 # jaxpar's train step as it compiles by default: a flash-style attention core (``model.attention``
-# auto → cuDNN or the blockwise kernel), the cross entropy in ``loss_chunk`` chunks, lock-step
-# ticks. W costs one forward once the pipeline keeps each weight matmul's own cotangent; XLA's
-# async collectives with the latency-hiding scheduler (meshes/*.yaml xla_flags) overlap the
-# data-parallel reduction with the backward, nothing overlaps the tensor-parallel all-reduces.
+# auto → cuDNN, the native CPU kernel or the blockwise kernel), the cross entropy in
+# ``loss_chunk`` chunks, lock-step ticks. W costs one forward once the pipeline keeps each
+# weight matmul's own cotangent; XLA's async collectives with the latency-hiding scheduler
+# (meshes/*.yaml xla_flags) overlap the data-parallel reduction with the backward, nothing
+# overlaps the tensor-parallel all-reduces.
 JAXPAR = Executor(
     attention="blockwise", loss="chunked", selective_reruns_kernel=True, follows_model=True
 )
