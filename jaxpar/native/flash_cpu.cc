@@ -42,17 +42,6 @@ typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
 inline v16 load(const float* p) { return *reinterpret_cast<const v16*>(p); }
 inline void store(float* p, v16 x) { *reinterpret_cast<v16*>(p) = x; }
 inline v16 splat(float x) { return v16{} + x; }
-inline float hsum(v16 x) {
-  float t = 0.f;
-  for (int l = 0; l < 16; ++l) t += x[l];
-  return t;
-}
-inline float hmax(v16 x) {
-  float t = x[0];
-  for (int l = 1; l < 16; ++l) t = std::max(t, x[l]);
-  return t;
-}
-
 // exp(x) for x ≤ 0 (and a little above) to a few ulp: x = n·ln 2 + r, a degree-6 polynomial
 // for e^r, 2^n through the exponent bits.
 inline v16 exp_v(v16 x) {
@@ -70,8 +59,6 @@ inline v16 exp_v(v16 x) {
   // Casts between vector types of one size reinterpret the bits (GCC/Clang vector extensions).
   return (v16)((i16)p + (__builtin_convertvector(n, i16) << 23));
 }
-
-inline float exp_neg(float x) { return exp_v(splat(x))[0]; }
 
 // Runs fn(t) for t in [0, n) on the caller and up to pool.num_threads() helpers; returns when
 // all have run. Helpers that start after the work is gone find nothing to do (shared state).
@@ -159,57 +146,25 @@ void transpose(const float* x, int64_t rows, int64_t cols, float* xt) {
     for (int64_t c = 0; c < cols; ++c) xt[c * rows + r] = x[r * cols + c];
 }
 
-// Visible keys of row r in tile (i, j): all when j < i; on the diagonal up to the row's
-// position; never past the sequence.
-inline int64_t visible(int64_t r, int64_t i, int64_t j, const Dims& m) {
-  int64_t hi = j < i ? kBlock : (r % kBlock) + 1;
-  return std::min(hi, m.s - j * kBlock);
-}
-
-// Row max, and exp of one tile row in place with its sum; keys c ≥ n are invisible (→ 0).
-inline v16 lanes_below(int64_t n, int c0) {
-  v16 idx;
-  for (int l = 0; l < 16; ++l) idx[l] = static_cast<float>(c0 + l);
-  return idx - static_cast<float>(n);  // < 0 where visible
-}
-
-inline float row_max(const float* s, int64_t n, float init) {
-  v16 mx = splat(init);
-  for (int c0 = 0; c0 < kBlock; c0 += 16) {
-    const v16 x = load(s + c0);
-    mx = (lanes_below(n, c0) < 0.f) & (x > mx) ? x : mx;
-  }
-  return hmax(mx);
-}
-
-inline float exp_row(float* s, int64_t n, float shift) {
-  v16 sum = {};
-  for (int c0 = 0; c0 < kBlock; c0 += 16) {
-    const v16 e = lanes_below(n, c0) < 0.f ? exp_v(load(s + c0) - shift) : splat(0.f);
-    store(s + c0, e);
-    sum += e;
-  }
-  return hsum(sum);
-}
-
-// The (b, kv) pair's keys and values, zero-padded to Sp = nb·kBlock positions: kt [D][Sp]
-// (transposed: score rows vectorise over keys), k and v [Sp][D].
+// The (b, kv) pair's keys and values, zero-padded to Sp = nb·kBlock positions: k [Sp][D] and
+// one of kt (keys transposed, [D][Sp]: the backward's Kᵀ·dSᵀ) or vt (values transposed: the
+// forward's Vᵀ·Pᵀ), and v [Sp][D] for the backward's V·dOᵀ.
 struct KV {
-  std::vector<float> kt, k, v;
+  std::vector<float> k, xt, v;  // xt: kt or vt
 };
 
-void pack_kv(const float* k, const float* v, const Dims& m, int64_t b, int64_t kh, KV& out) {
+void pack_kv(const float* k, const float* v, const Dims& m, int64_t b, int64_t kh,
+             bool forward, KV& out) {
   const int64_t sp = m.nb * kBlock;
-  out.kt.assign(m.d * sp, 0.f);
   out.k.assign(sp * m.d, 0.f);
-  out.v.assign(sp * m.d, 0.f);
+  out.xt.assign(m.d * sp, 0.f);
+  if (!forward) out.v.assign(sp * m.d, 0.f);
+  const float* t = forward ? v : k;  // the one transposed
   for (int64_t s = 0; s < m.s; ++s) {
     const int64_t at = ((b * m.s + s) * m.kv + kh) * m.d;
-    for (int64_t d = 0; d < m.d; ++d) {
-      out.kt[d * sp + s] = k[at + d];
-      out.k[s * m.d + d] = k[at + d];
-      out.v[s * m.d + d] = v[at + d];
-    }
+    std::copy(k + at, k + at + m.d, out.k.data() + s * m.d);
+    if (!forward) std::copy(v + at, v + at + m.d, out.v.data() + s * m.d);
+    for (int64_t d = 0; d < m.d; ++d) out.xt[d * sp + s] = t[at + d];
   }
 }
 
@@ -230,43 +185,64 @@ void pack_rows(const float* x, const Dims& m, int64_t b, int64_t kh, int64_t i, 
     }
 }
 
+// The forward computes each tile transposed too, Sᵀ [kBlock][R] = K_j·Qᵀ_i, so that the online
+// softmax's row max, rescale and row sum run 16 query rows to a vector (no horizontal
+// reductions), and accumulates Oᵀ_i [D][R] += Vᵀ_j·Pᵀ.
 template <int D>
 void forward_task(const float* qp, const float* kp, const float* vp, float* op, float* lp,
                   const Dims& m, int64_t b, int64_t kh) {
   const int64_t sp = m.nb * kBlock, nrows = m.g * kBlock;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   KV kv;
-  pack_kv(kp, vp, m, b, kh, kv);
-  std::vector<float> rows(nrows * D), sc(nrows * kBlock), acc(nrows * D);
-  std::vector<float> top(nrows), den(nrows);
+  pack_kv(kp, vp, m, b, kh, /*forward=*/true, kv);
+  std::vector<float> rows(nrows * D), qt(D * nrows), st(kBlock * nrows), ot(D * nrows);
+  std::vector<float> top(nrows), den(nrows), qpos(nrows);
   for (int64_t i = 0; i < m.nb; ++i) {
     pack_rows(qp, m, b, kh, i, scale, rows.data());
-    std::fill(acc.begin(), acc.end(), 0.f);
+    transpose(rows.data(), nrows, D, qt.data());
+    for (int64_t r = 0; r < nrows; ++r) {
+      const int64_t s = i * kBlock + r % kBlock;
+      qpos[r] = s < m.s ? static_cast<float>(s) : -1.f;  // a padded row sees nothing
+    }
+    std::fill(ot.begin(), ot.end(), 0.f);
     std::fill(top.begin(), top.end(), -INFINITY);
     std::fill(den.begin(), den.end(), 0.f);
     for (int64_t j = 0; j <= i; ++j) {
-      mul_abt<D>(rows.data(), kv.kt.data() + j * kBlock, sp, nrows, kBlock, sc.data(), kBlock);
-      for (int64_t r = 0; r < nrows; ++r) {
-        const int64_t n = visible(r, i, j, m);
-        float* s = sc.data() + r * kBlock;
-        if (n <= 0) {
-          std::fill(s, s + kBlock, 0.f);
-          continue;
+      mul_abt<D>(kv.k.data() + j * kBlock * D, qt.data(), nrows, kBlock, nrows, st.data(),
+                 nrows);  // Sᵀ
+      for (int64_t r = 0; r < nrows; r += 16) {  // nrows = G·kBlock: whole vectors
+        const v16 pos = load(qpos.data() + r), old = load(top.data() + r);
+        v16 mx = old;
+        for (int64_t c = 0; c < kBlock; ++c) {
+          const v16 x = load(st.data() + c * nrows + r);
+          mx = (splat(static_cast<float>(j * kBlock + c)) <= pos) & (x > mx) ? x : mx;
         }
-        const float mx = row_max(s, n, top[r]);
-        const float alpha = exp_neg(top[r] - mx);  // exp(-inf) → 0 through the clamp
-        den[r] = den[r] * alpha + exp_row(s, n, mx);
-        top[r] = mx;
-        for (int d = 0; d < D; ++d) acc[r * D + d] *= alpha;
+        // A row that has seen nothing yet keeps max −inf: shift by 0 there (all its terms 0).
+        const v16 shift = mx == splat(-INFINITY) ? splat(0.f) : mx;
+        const v16 alpha = exp_v(old - shift);  // exp(−inf) → 0 through the clamp
+        v16 sum = {};
+        for (int64_t c = 0; c < kBlock; ++c) {
+          float* x = st.data() + c * nrows + r;
+          const v16 e = splat(static_cast<float>(j * kBlock + c)) <= pos
+                            ? exp_v(load(x) - shift)
+                            : splat(0.f);
+          store(x, e);
+          sum += e;
+        }
+        store(den.data() + r, load(den.data() + r) * alpha + sum);
+        store(top.data() + r, mx);
+        for (int d = 0; d < D; ++d) store(ot.data() + d * nrows + r, load(ot.data() + d * nrows + r) * alpha);
       }
-      mul_pb<D>(sc.data(), kBlock, kBlock, kv.v.data() + j * kBlock * D, nrows, acc.data());
+      mul_acc<kBlock>(kv.xt.data() + j * kBlock, sp, kBlock, st.data(), nrows, D, nrows,
+                      ot.data(), nrows);  // Oᵀ += Vᵀ_j · Pᵀ
     }
+    transpose(ot.data(), D, nrows, rows.data());
     for (int64_t r = 0; r < nrows; ++r) {
       const int64_t s = i * kBlock + r % kBlock, h = kh * m.g + r / kBlock;
       if (s >= m.s) continue;
       const float inv = 1.0f / den[r];
       float* dst = op + ((b * m.s + s) * m.h + h) * D;
-      for (int d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+      for (int d = 0; d < D; ++d) dst[d] = rows[r * D + d] * inv;
       lp[(b * m.h + h) * m.s + s] = top[r] + std::log(den[r]);
     }
   }
@@ -282,7 +258,7 @@ void backward_task(const float* qp, const float* kp, const float* vp, const floa
   const int64_t sp = m.nb * kBlock, nrows = m.g * kBlock;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   KV kv;
-  pack_kv(kp, vp, m, b, kh, kv);
+  pack_kv(kp, vp, m, b, kh, /*forward=*/false, kv);
   std::vector<float> rows(nrows * D), dor(nrows * D), orow(nrows * D);
   std::vector<float> qt(D * nrows), dot(D * nrows), dqt(D * nrows), dq(nrows * D);
   std::vector<float> pt(kBlock * nrows), ds(kBlock * nrows);
@@ -322,7 +298,7 @@ void backward_task(const float* qp, const float* kp, const float* vp, const floa
       }
       mul_pb<D>(pt.data(), nrows, nrows, dor.data(), kBlock, dva.data() + j * kBlock * D);
       mul_pb<D>(ds.data(), nrows, nrows, rows.data(), kBlock, dka.data() + j * kBlock * D);
-      mul_acc<kBlock>(kv.kt.data() + j * kBlock, sp, kBlock, ds.data(), nrows, D, nrows,
+      mul_acc<kBlock>(kv.xt.data() + j * kBlock, sp, kBlock, ds.data(), nrows, D, nrows,
                       dqt.data(), nrows);  // dQᵀ += Kᵀ_j · dSᵀ
     }
     transpose(dqt.data(), D, nrows, dq.data());
