@@ -35,6 +35,11 @@ config run the same step with the core (jaxpar's kernel, PyTorch's SDPA) replace
 elementwise stand-in, the same on both sides (``o = q ∘ repeat(v + k)`` over each kv head's
 query heads: same shapes, differentiable in q, k and v, no softmax). A side's core cost is its
 step minus its stand-in step; the stand-in steps compare everything but the core.
+
+Each shape's row also carries both sides' rate on one plain fp32 matmul of the step (the MLP's
+up projection, ``[batch·seq, d_model] × [d_model, d_ff]``), timed in a fresh process of each
+side with the same CPUs, and the JSON names the CPU: a ratio is a property of a machine as much
+as of the code (PyTorch's CPU matmuls call MKL, jaxpar's XLA's own; their rates differ by vendor).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SHAPES = {
     # The shape of issue 13 (jaxpar's default tiny model at its full context).
@@ -390,6 +396,68 @@ def torch_worker(shape_name: str, config: str, core: str = "real") -> None:
         p.join()
 
 
+def matmul_worker(side: str, m: int, k: int, n: int) -> None:
+    """Time one fp32 ``[m, k] × [k, n]`` matmul on ``side`` ("jax" or "torch"); say GFLOP/s
+    (best of 5 bursts of 10)."""
+    if side == "jax":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        from jaxpar.devices import simulate_cpu_devices
+
+        simulate_cpu_devices(1)  # and jaxpar's host allocator, as in the step
+        import jax
+        import jax.numpy as jnp
+
+        a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+        f = jax.jit(jnp.matmul)
+
+        def once():
+            return f(a, b).block_until_ready()
+    else:
+        import torch
+
+        a, b = torch.ones(m, k), torch.ones(k, n)
+
+        def once():
+            return torch.matmul(a, b)
+
+    if float(once()[0, 0]) != k:  # ones times ones: every element is k
+        raise RuntimeError(f"{side} matmul of ones gave {float(once()[0, 0])}, not {k}")
+    best = math.inf
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(10):
+            once()
+        best = min(best, (time.perf_counter() - t) / 10)
+    _say({"gflops": 2 * m * k * n / best / 1e9})
+
+
+def matmul_rates(shape_name: str) -> dict:
+    """Both sides' GFLOP/s on ``shape_name``'s MLP up projection (:func:`matmul_worker`)."""
+    sh = SHAPES[shape_name]
+    dims = [str(sh["batch"] * sh["seq"]), str(sh["d_model"]), str(sh["d_ff"])]
+    out = {}
+    for side in ("jax", "torch"):
+        w = Worker(["--worker", "matmul", side, *dims])
+        out["jaxpar" if side == "jax" else "torch"] = w.info["gflops"]
+        w.proc.wait()
+    return out
+
+
+def cpu_name() -> str:
+    """The CPU's model name, with its family/model numbers where the name is generic."""
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            info.setdefault(key.strip(), val.strip())
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model " \
+           f"{info.get('model', '?')})"  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------
 # Coordinator
 
@@ -499,7 +567,9 @@ def compare(
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         kind, shape, config = sys.argv[2:5]
-        if kind == "jax":
+        if kind == "matmul":  # --worker matmul SIDE M K N
+            matmul_worker(sys.argv[3], *map(int, sys.argv[4:7]))
+        elif kind == "jax":
             jax_worker(shape, config, json.loads(sys.argv[5]), sys.argv[6])
         else:
             torch_worker(shape, config, sys.argv[5])
@@ -524,12 +594,20 @@ def main() -> None:
             ap.error(f"--cpus={args.cpus}: must be between 1 and the {len(have)} CPUs available")
         os.sched_setaffinity(0, have[: args.cpus])  # inherited by every worker
     overrides = dict(kv.split("=", 1) for kv in args.model)
-    rows = [
-        compare(s, c, args.steps, args.repeats, overrides, args.attribute)
-        for s in args.shapes.split(",")
-        for c in args.configs.split(",")
-    ]
-    print(json.dumps({"cpus": _cpus(), "load_avg_1m": os.getloadavg()[0], "rows": rows}))
+    rows, rates = [], {}
+    for s in args.shapes.split(","):
+        rates[s] = matmul_rates(s)
+        print(
+            f"{s:6s} matmul   jaxpar {rates[s]['jaxpar']:.0f} GFLOP/s  "
+            f"torch {rates[s]['torch']:.0f} GFLOP/s",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        for c in args.configs.split(","):
+            rows.append(compare(s, c, args.steps, args.repeats, overrides, args.attribute))
+            rows[-1]["matmul_gflops"] = rates[s]
+    print(json.dumps({
+        "cpus": _cpus(), "cpu": cpu_name(), "load_avg_1m": os.getloadavg()[0], "rows": rows,
+    }))  # fmt: skip
 
 
 if __name__ == "__main__":
