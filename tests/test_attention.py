@@ -68,12 +68,14 @@ def test_blockwise_matches_dense_with_gqa(block):
 
 
 @pytest.mark.parametrize(
-    "s, h, kvh, dh", [(37, 4, 2, 16), (100, 4, 4, 32), (70, 8, 2, 64), (65, 2, 1, 128)]
+    "s, h, kvh, dh",
+    [(37, 4, 2, 16), (100, 4, 4, 32), (70, 8, 2, 64), (65, 2, 1, 128), (200, 4, 2, 32)],
 )
 def test_native_matches_dense(s, h, kvh, dh):
     """The native CPU kernel (jaxpar/native/flash_cpu.cc): output and dq, dk, dv equal the
     dense causal reference, with GQA and without, every head dim it takes, sequences that its
-    64-position tiles do not divide (one and two partial tiles)."""
+    64-position tiles do not divide (one and two partial tiles), and four tiles (diagonal tiles, whose
+    products skip the zeros above the causal staircase, and off-diagonal ones)."""
     from jaxpar.model import native
 
     assert native.unavailable() is None  # a C++ compiler is part of the test machine
