@@ -74,8 +74,8 @@ def test_blockwise_matches_dense_with_gqa(block):
 def test_native_matches_dense(s, h, kvh, dh):
     """The native CPU kernel (jaxpar/native/flash_cpu.cc): output and dq, dk, dv equal the
     dense causal reference, with GQA and without, every head dim it takes, sequences that its
-    64-position tiles do not divide (one and two partial tiles), and four tiles (diagonal tiles, whose
-    products skip the zeros above the causal staircase, and off-diagonal ones)."""
+    64-position tiles do not divide (one and two partial tiles), and four tiles (diagonal ones,
+    whose products skip the zeros above the causal staircase, and off-diagonal ones)."""
     from jaxpar.model import native
 
     assert native.unavailable() is None  # a C++ compiler is part of the test machine

@@ -21,12 +21,42 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.model.attention import core as attention_core
 from jaxpar.model.attention import kv_repeat, nvidia, resolve, ring_attention, ulysses
-from jaxpar.model.names import resharded, weight
+from jaxpar.model.names import projected, resharded, weight
 from jaxpar.sharding import active_rules, constrain
 
 # An attention core ``(q [B,S,H,Dh], k [B,S,K,Dh], v) -> o [B,S,H,Dh]`` that replaces the
 # block's own (the decode path attends over a KV cache with it: jaxpar.generate).
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+@jax.custom_vjp
+def project(x_BxSxD: jax.Array, w_DxN: jax.Array) -> jax.Array:
+    """``x``'s last axis contracted with ``w``'s first (``w`` may have more output axes): the
+    column-parallel up projections (QKV, gate/up), with the weight gradient taken as
+    ``xᵀ·dy``.
+
+    Differentiated by JAX, ``dW`` is ``dyᵀ·x`` laid out back, and XLA:CPU transposes the wide
+    operand ``dy`` ([B·S, N], N up to 6·D for gate/up) to feed its matmul; contracting ``x``
+    first transposes ``x`` ([B·S, D]) instead, fused into the norm that made it. Measured on
+    the wide shape of ``scripts/bench_torch.py``: the step's copies 62 → 38 ms, the step about
+    4% faster (same on the issue shape). Gradients are the same products (fp32 rounding)."""
+    return jnp.tensordot(x_BxSxD, w_DxN, 1)
+
+
+def _project_fwd(x, w):
+    return project(x, w), (x, w)
+
+
+def _project_bwd(res, dy):
+    x, w = res
+    lead = tuple(range(x.ndim - 1))  # batch and sequence
+    # dx: dy's output axes against w's (on tp: partial sums, one all-reduce as before).
+    dx = jnp.tensordot(dy, w, axes=(tuple(range(x.ndim - 1, dy.ndim)), tuple(range(1, w.ndim))))
+    # dW = xᵀ·dy over batch and sequence (on dp: partial sums, reduced as before).
+    return dx, jnp.tensordot(x, dy, axes=(lead, lead))
+
+
+project.defvjp(_project_fwd, _project_bwd)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -144,9 +174,7 @@ class Attention(nnx.Module):
         # One fused QKV matmul (weights grouped per TP rank), so the backward sums the q, k and
         # v contributions to dx locally and all-reduces once over tp, not three times.
         w = _fused_columns([self.wq[...], wk, wv], tp, dt, ("embed", "heads", None, "head_dim"))
-        y = constrain(
-            jnp.einsum("bsd,dtnk->bstnk", x_BxSxD, w), ("batch", "seq", "heads", None, "head_dim")
-        )
+        y = constrain(projected(project(x_BxSxD, w)), ("batch", "seq", "heads", None, "head_dim"))
         nq, nk = h // tp, kvh * r // tp
         q, k, v = (
             t.reshape(b, s, -1, dh) for t in jnp.split(y, (nq, nq + nk), axis=3)
@@ -219,7 +247,7 @@ class MLP(nnx.Module):
             rules = active_rules()
             tp = rules.tp if rules else 1
             w = _fused_columns([self.w_gate[...], self.w_up[...]], tp, dt, ("embed", "mlp", None))
-            gu = constrain(jnp.einsum("bsd,dtf->bstf", x_BxSxD, w), ("batch", "seq", "mlp", None))
+            gu = constrain(projected(project(x_BxSxD, w)), ("batch", "seq", "mlp", None))
             gate, up = jnp.split(gu, 2, axis=3)
             b, s, _ = x_BxSxD.shape
             h_BxSxF = (jax.nn.silu(gate) * up).reshape(b, s, -1)

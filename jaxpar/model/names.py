@@ -16,6 +16,9 @@ WEIGHT = "jaxpar_weight"
 # recomputes data movement (ZeRO-3's, :mod:`jaxpar.train.remat`) keeps these instead, or the
 # backward would run the forward's all-to-alls again.
 RESHARDED = "jaxpar_resharded"
+# The output of a projection whose matmul runs inside a custom VJP (jaxpar.model.layers.project):
+# a policy that keeps dot outputs cannot see that dot, so it keeps this name as well.
+PROJECTED = "jaxpar_projected"
 
 
 def weight(w: jax.Array) -> jax.Array:
@@ -26,3 +29,8 @@ def weight(w: jax.Array) -> jax.Array:
 def resharded(x: jax.Array) -> jax.Array:
     """Tag ``x`` as the output of a resharding collective (an identity in the computation)."""
     return checkpoint_name(x, RESHARDED)
+
+
+def projected(x: jax.Array) -> jax.Array:
+    """Tag ``x`` as a projection's output (an identity in the computation)."""
+    return checkpoint_name(x, PROJECTED)

@@ -28,7 +28,23 @@ from typing import Any
 
 import jax
 
-from jaxpar.model.names import WEIGHT
+from jaxpar.model.names import PROJECTED, WEIGHT
+
+_offload_dots = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+_offload_projected = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=[PROJECTED],
+    offload_src="device",
+    offload_dst="pinned_host",
+)
+
+
+def _offload_dots_and_projections(prim, *args, **params):
+    """``offload``: dot outputs and PROJECTED values to pinned host memory, the rest recomputed
+    (JAX's offload policies return placements, not booleans, so they cannot be or-ed)."""
+    if prim.name == "name" and params.get("name") == PROJECTED:
+        return _offload_projected(prim, *args, **params)
+    return _offload_dots(prim, *args, **params)
 
 
 @dataclass(frozen=True)
@@ -47,10 +63,13 @@ class Remat:
         if self.name == "full":
             return cp.nothing_saveable
         if self.name == "selective":
-            # Dot outputs are activations; weights are dot *operands*, never outputs.
-            return cp.checkpoint_dots
+            # Dot outputs are activations; weights are dot *operands*, never outputs. The up
+            # projections' dots sit inside a custom VJP: their outputs carry PROJECTED.
+            return cp.save_from_both_policies(
+                cp.checkpoint_dots, cp.save_only_these_names(PROJECTED)
+            )
         if self.name == "offload":
-            return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+            return _offload_dots_and_projections
         raise ValueError(f"layout.remat={self.name!r}: unknown")
 
     def wrap(self, pre: Callable | None = None) -> Callable[[Callable], Callable] | None:
