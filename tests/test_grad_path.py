@@ -126,6 +126,51 @@ def test_remat_none_under_zero3_keeps_no_weight():
     assert remat_of("full").recompute_forward and not remat_of("selective").recompute_forward
 
 
+def test_project_gradients_equal_autodiff_of_the_matmul():
+    """``layers.project`` (the up projections' custom VJP): value, dx and dW equal JAX's own
+    derivative of the same contraction, with the fused QKV weight's extra output axes."""
+    from jaxpar.model.layers import project
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 5, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((8, 2, 3, 4)), jnp.float32)  # [D, tp, N, Dh]
+    ct = jnp.asarray(rng.standard_normal((2, 5, 2, 3, 4)), jnp.float32)
+
+    def loss(f):
+        return lambda x, w: jnp.sum(f(x, w) * ct)
+
+    want = jax.value_and_grad(loss(lambda x, w: jnp.einsum("bsd,dtnk->bstnk", x, w)), (0, 1))
+    got = jax.value_and_grad(loss(project), (0, 1))
+    (v0, g0), (v1, g1) = want(x, w), got(x, w)
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    for a, b in zip(g1, g0, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("setting", ["selective", "offload"])
+def test_policies_keep_projected_outputs(setting):
+    """The projection's matmul is inside a custom VJP, invisible to a dot policy: its tagged
+    output is kept (``selective``) or offloaded (``offload``), so the backward runs no second
+    forward matmul: as many dots as without any checkpoint."""
+    from jaxpar.model.layers import project
+    from jaxpar.model.names import projected
+
+    def layer(x, w, w2):
+        return jnp.tanh(projected(project(x, w))) @ w2
+
+    x, w, w2 = jnp.ones((2, 4, 8)), jnp.ones((8, 16)), jnp.ones((16, 8))
+
+    def dots(fn):
+        g = jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1, 2))
+        return str(jax.make_jaxpr(g)(x, w, w2)).count("dot_general")
+
+    policy = remat_of(setting).policy(zero3=False)
+    assert dots(jax.checkpoint(layer, policy=policy)) == dots(layer)
+    assert dots(jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)) > dots(
+        layer
+    )  # the count sees a recomputed projection
+
+
 @pytest.mark.parametrize(
     "layout,match",
     [
