@@ -84,6 +84,30 @@ def test_native_matches_dense(s, h, kvh, dh):
            _value_and_grads(causal_attention, q, k, v, w))  # fmt: skip
 
 
+def test_native_threaded_and_serial_agree_and_serial_under_several_devices():
+    """The kernel splits its tasks over XLA's pool only in a one-device process (this one has
+    8 simulated devices); threaded and serial it computes the same bits."""
+    from jaxpar.model import native
+
+    assert native.unavailable() is None
+    assert jax.device_count() > 1 and not native._threaded()
+    q, k, v, _ = _qkv(b=3, s=100, h=4, kvh=2, dh=32)
+    do = jnp.cos(q)
+    outs = {}
+    for threaded in (True, False):
+        o, lse = jax.ffi.ffi_call(
+            native._FWD,
+            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((3, 4, 100), q.dtype)),
+        )(q, k, v, threaded=np.bool_(threaded))
+        shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+        grads = jax.ffi.ffi_call(native._BWD, shapes)(
+            q, k, v, o, lse, do, threaded=np.bool_(threaded)
+        )
+        outs[threaded] = [np.asarray(x) for x in (o, lse, *grads)]
+    for a, b in zip(outs[True], outs[False], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_causal_mask_and_skipped_tiles(monkeypatch):
     """The past never sees the future (changing keys/values at position t leaves every output
     before t unchanged), and forward and backward visit only the n(n+1)/2 lower-triangular

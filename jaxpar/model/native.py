@@ -33,6 +33,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.errors import ConfigError
 from jaxpar.sharding import active_rules
@@ -132,18 +133,28 @@ def applies(platform_name: str, dtype, head_dim: int) -> str | None:
 # The core
 
 
+def _threaded() -> np.bool_:
+    """Whether the kernel splits its tasks over XLA's intra-op pool: only in a one-device
+    process. With several (simulated) devices their programs already share the cores, and that
+    pool also runs their thunks, collectives included. The default ``jaxpar train`` job (pp 2 ·
+    dp 2 · tp 2 on 8 simulated devices) stalled in a collective rendezvous after 74 steps in
+    one of two runs with the kernel threaded; it ran clean in two of two with the kernel
+    serial (and once with ``blockwise``)."""
+    return np.bool_(jax.device_count() == 1)
+
+
 def _forward(q, k, v):
     b, s, h, _ = q.shape
     o, lse = jax.ffi.ffi_call(
         _FWD, (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, s), q.dtype))
-    )(q, k, v)
+    )(q, k, v, threaded=_threaded())
     return o, (q, k, v, o, lse)
 
 
 def _backward(res, do):
     q, k, v, o, lse = res
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    return tuple(jax.ffi.ffi_call(_BWD, shapes)(q, k, v, o, lse, do))
+    return tuple(jax.ffi.ffi_call(_BWD, shapes)(q, k, v, o, lse, do, threaded=_threaded()))
 
 
 @jax.custom_vjp

@@ -71,10 +71,17 @@ inline v16 exp_v(v16 x) {
   return (v16)((i16)p + (__builtin_convertvector(n, i16) << 23));
 }
 
-// Runs fn(t) for t in [0, n) on the caller and up to pool.num_threads() helpers; returns when
-// all have run. Helpers that start after the work is gone find nothing to do (shared state).
+// Runs fn(t) for t in [0, n): threaded, on the caller and up to pool.num_threads() helpers,
+// returning when all have run (helpers that start after the work is gone find nothing to do);
+// else on the caller alone. jaxpar threads the kernel only in a one-device process: with
+// several simulated devices their programs already share the cores, and the pool is XLA's
+// intra-op pool, which also runs the devices' thunks, collectives included.
 template <typename Fn>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
+void parallel_for(ffi::ThreadPool& pool, bool threaded, int64_t n, Fn fn) {
+  if (!threaded) {
+    for (int64_t t = 0; t < n; ++t) fn(t);
+    return;
+  }
   struct State {
     std::atomic<int64_t> next{0}, done{0};
   };
@@ -406,12 +413,13 @@ ffi::Error check(Buf& q, Buf& k) {
     default: call(128); break;      \
   }
 
-ffi::Error Forward(ffi::ThreadPool pool, Buf q, Buf k, Buf v, Out o, Out lse) {
+ffi::Error Forward(ffi::ThreadPool pool, Buf q, Buf k, Buf v, bool threaded, Out o,
+                   Out lse) {
   if (auto e = check(q, k); e.failure()) return e;
   const Dims m = dims_of(q, k);
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   float *op = o->typed_data(), *lp = lse->typed_data();
-  parallel_for(pool, m.b * m.kv, [&](int64_t t) {
+  parallel_for(pool, threaded, m.b * m.kv, [&](int64_t t) {
 #define CALL(D) forward_task<D>(qp, kp, vp, op, lp, m, t / m.kv, t % m.kv)
     JAXPAR_BY_HEAD_DIM(m.d, CALL)
 #undef CALL
@@ -420,13 +428,13 @@ ffi::Error Forward(ffi::ThreadPool pool, Buf q, Buf k, Buf v, Out o, Out lse) {
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout,
-                    Out dq, Out dk, Out dv) {
+                    bool threaded, Out dq, Out dk, Out dv) {
   if (auto e = check(q, k); e.failure()) return e;
   const Dims m = dims_of(q, k);
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const float *opp = o.typed_data(), *lp = lse.typed_data(), *dop = dout.typed_data();
   float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
-  parallel_for(pool, m.b * m.kv, [&](int64_t t) {
+  parallel_for(pool, threaded, m.b * m.kv, [&](int64_t t) {
 #define CALL(D) \
   backward_task<D>(qp, kp, vp, opp, lp, dop, dqp, dkp, dvp, m, t / m.kv, t % m.kv)
     JAXPAR_BY_HEAD_DIM(m.d, CALL)
@@ -438,12 +446,16 @@ ffi::Error Backward(ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf o, Buf lse, B
 }  // namespace
 
 // Bindings: q, k, v -> o, lse; q, k, v, o, lse, dO -> dq, dk, dv.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxparFlashCpuForward, Forward,
-    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Ret<Buf>().Ret<Buf>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxparFlashCpuForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Buf>().Arg<Buf>().Arg<Buf>()
+                                  .Attr<bool>("threaded")
+                                  .Ret<Buf>().Ret<Buf>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxparFlashCpuBackward, Backward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>()
+                                  .Attr<bool>("threaded")
                                   .Ret<Buf>().Ret<Buf>().Ret<Buf>());
