@@ -420,8 +420,9 @@ def matmul_worker(side: str, m: int, k: int, n: int) -> None:
         def once():
             return torch.matmul(a, b)
 
-    if float(once()[0, 0]) != k:  # ones times ones: every element is k
-        raise RuntimeError(f"{side} matmul of ones gave {float(once()[0, 0])}, not {k}")
+    got = float(once()[0, 0])
+    if got != k:  # ones times ones: every element is k
+        raise RuntimeError(f"{side} matmul of ones gave {got}, not {k}")
     best = math.inf
     for _ in range(5):
         t = time.perf_counter()
@@ -444,7 +445,8 @@ def matmul_rates(shape_name: str) -> dict:
 
 
 def cpu_name() -> str:
-    """The CPU's model name, with its family/model numbers where the name is generic."""
+    """The CPU's model name with its family and model numbers (a VM may name only the
+    vendor line, e.g. "AMD EPYC")."""
     info = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -1,5 +1,6 @@
 // Causal grouped-query attention for XLA:CPU as two XLA FFI handlers (forward, backward),
-// threaded over XLA's intra-op thread pool. fp32 throughout.
+// threaded over XLA's intra-op thread pool when the caller asks (attribute `threaded`). fp32
+// throughout.
 //
 // Why a native kernel: XLA:CPU runs a batched matmul's batch serially and does not run loops
 // side by side, so the blockwise kernel's tiles (jaxpar/model/flash.py) use one core whatever
@@ -73,9 +74,7 @@ inline v16 exp_v(v16 x) {
 
 // Runs fn(t) for t in [0, n): threaded, on the caller and up to pool.num_threads() helpers,
 // returning when all have run (helpers that start after the work is gone find nothing to do);
-// else on the caller alone. jaxpar threads the kernel only in a one-device process: with
-// several simulated devices their programs already share the cores, and the pool is XLA's
-// intra-op pool, which also runs the devices' thunks, collectives included.
+// else on the caller alone (when and why: jaxpar/model/native.py, _threaded).
 template <typename Fn>
 void parallel_for(ffi::ThreadPool& pool, bool threaded, int64_t n, Fn fn) {
   if (!threaded) {
