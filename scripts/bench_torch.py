@@ -336,7 +336,7 @@ def _rank_main(
         else:
             loss_t = _loss(model(x), y)
             loss_t.backward()
-            loss = float(loss_t)
+            loss = float(loss_t.detach())
         # Stage-local norm under pp (a global one needs another collective); timing only.
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
