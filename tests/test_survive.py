@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -107,6 +108,22 @@ def test_nonfinite_skip_and_stop(make_cfg, tmp_path):
     assert report["step"] == 2 and report["nonfinite_leaves"] == ["embed/table"]
     assert report["grad_norm_finite"] is False and report["last_checkpoint_step"] == 1
     assert Checkpointer(tmp_path / "stop").steps() == [1]
+
+
+@pytest.mark.parametrize("layout", [dict(dp=1), dict(dp=2, zero=1)])
+def test_guarded_update_writes_the_donated_state_in_place(make_cfg, layout):
+    """The non-finite guard costs no copy of the state: the compiled step copies none of its
+    entry arrays (the step counter, a scalar, may be). With a ``where`` over the new state,
+    XLA copied every AdamW moment before the update overwrote it."""
+    cfg = make_cfg(**layout)
+    tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
+    hlo = tr.compile_step().as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    args = set(re.findall(r"%([\w.\-]+) = \S+ parameter\(", entry))
+    assert len(args) > 10  # the state's leaves and the batch
+    # Non-scalar copies only: ``= f32[4,32]{1,0} copy(%param.3)``.
+    copied = [a for a in re.findall(r"\[[\d,]+\]\S* copy\(%([\w.\-]+)\)", entry) if a in args]
+    assert not copied, copied
 
 
 def test_corrupted_and_partial_checkpoints_are_skipped(make_cfg, tmp_path):

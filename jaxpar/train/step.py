@@ -192,21 +192,28 @@ class Trainer:
             grads = inject_nonfinite(
                 grads, state["step"] + 1 == self.cfg.train.inject_nonfinite_step
             )
-        gnorm = optax.tree.norm(grads)
-        updates, new_opt = self.tx.update(grads, opt, params)
-        new_params = optax.apply_updates(params, updates)
+        # One sum of squares per leaf gives both the global norm and the per-leaf finite flags
+        # that let the loop name the non-finite leaves in its diagnostic: a leaf's sum is finite
+        # iff its elements are, unless their squares overflow float32, in which case the norm
+        # is infinite too and the step is skipped as well.
+        sq = jax.tree.map(lambda g: jnp.sum(jnp.square(g)), grads)
+        gnorm = jnp.sqrt(sum(jax.tree.leaves(sq)))
         # A non-finite loss or gradient never reaches the state: the update is skipped here and
-        # the loop applies the user's policy (skip or stop) from the flag.
+        # the loop applies the user's policy (skip or stop) from the flag. A cond, not a
+        # `where` over the new state: the select kept each old moment live beside the update
+        # writing its donated buffer, and copy insertion copied every moment first
+        # (BENCHMARKS.md, "The optimizer update").
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-        new_state = {
-            "params": keep(new_params, params),
-            "opt": keep(new_opt, opt),
-            "step": state["step"] + 1,
-        }
+
+        def update(params_opt):
+            p, o = params_opt
+            updates, new_o = self.tx.update(grads, o, p)
+            return optax.apply_updates(p, updates), new_o
+
+        new_params, new_opt = jax.lax.cond(ok, update, lambda po: po, (params, opt))
+        new_state = {"params": new_params, "opt": new_opt, "step": state["step"] + 1}
+        leaf_ok = jax.tree.map(jnp.isfinite, sq)
         lr = lr_schedule(self.cfg.train)(state["step"])
-        # Per-leaf flags let the loop name the non-finite leaves in its diagnostic.
-        leaf_ok = jax.tree.map(lambda g: jnp.all(jnp.isfinite(g)), grads)
         metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": ok, "leaf_finite": leaf_ok}
         return new_state, metrics
 
