@@ -136,10 +136,11 @@ def applies(platform_name: str, dtype, head_dim: int) -> str | None:
 def _threaded() -> np.bool_:
     """Whether the kernel splits its tasks over XLA's intra-op pool: only in a one-device
     process. With several (simulated) devices their programs already share the cores, and that
-    pool also runs their thunks, collectives included. The default ``jaxpar train`` job (pp 2 ·
-    dp 2 · tp 2 on 8 simulated devices) stalled in a collective rendezvous after 74 steps in
-    one of two runs with the kernel threaded; it ran clean in two of two with the kernel
-    serial (and once with ``blockwise``)."""
+    pool also runs their thunks, collectives included. Threaded there, the default ``jaxpar
+    train`` job (pp 2 · dp 2 · tp 2 on 8 simulated devices) once stalled in a collective
+    rendezvous after 74 steps (one run of two, before baf8b92); three later runs forced threaded ran
+    clean, at 0.89–1.00 s per step against 0.95 serial (BENCHMARKS.md): no gain, and a stall
+    whose cause is unknown."""
     return np.bool_(jax.device_count() == 1)
 
 
