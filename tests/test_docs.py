@@ -134,6 +134,7 @@ def _workdir(tmp: Path) -> tuple[Path, Path]:
 
 def run_block(block: Block, work: Path, env: dict[str, str]) -> None:
     """Run one block in ``work``; fail with its source location and output when it fails."""
+    __tracebackhide__ = True  # the failure message says it all (and the env stays out of logs)
     if block.lang == "bash":
         argv = ["bash", "-euo", "pipefail", "-c", block.code]
     else:
@@ -188,9 +189,9 @@ def test_readme_keeps_the_two_commands_and_runs_the_default_training():
     blocks = parse((ROOT / "README.md").read_text(), "README.md")
     codes = [b.code.strip() for b in blocks]
     assert "python3 -m pip install -e . && jaxpar train" in codes
-    tests_cmd = 'python3 -m pip install -e ".[test]" && python3 -m pytest tests -n 2 --dist loadfile'
-    assert tests_cmd in codes
-    assert "python3 -m pytest tests -n 2 --dist loadfile" in (ROOT / ".ci" / "run").read_text()
+    suite = "python3 -m pytest tests -n 2 --dist loadfile"
+    assert f'python3 -m pip install -e ".[test]" && {suite}' in codes
+    assert suite in (ROOT / ".ci" / "run").read_text()
     default = re.compile(r"^jaxpar train --steps \d+$", re.M)
     assert any(b.runs and default.search(b.code) for b in blocks), (
         "README.md: no executed block runs `jaxpar train --steps N` (the defaults)"
