@@ -53,7 +53,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    # How the model runs (no effect on parameter shapes; README "Attention and the layer loop").
+    # How the model runs (no effect on parameter shapes; docs/reference.md, "Model options").
     attention: str = "auto"  # auto | native | blockwise | dense | cudnn (model.attention)
     attention_block: int = 64  # query/key positions per tile of the blockwise kernel
     layer_unroll: int = 1  # layer loop: 1 = lax.scan, k = unrolled by k, 0 = no loop

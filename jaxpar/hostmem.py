@@ -5,7 +5,7 @@ train step of the 4-layer d-256 Llama at batch 16 × 256) with ``posix_memalign`
 its worker threads. glibc serves a block that large from a worker thread's arena with a fresh
 ``mmap`` (a thread arena grows in 64 MiB heaps at most) and unmaps it on free, so every step
 page-faults its whole temporary buffer again: 140 thousand minor faults and about 0.29 s of
-kernel time per 0.9 s step on 2 cores, measured with ``getrusage`` (BENCHMARKS.md, issue 13).
+kernel time per 0.9 s step on 2 cores, measured with ``getrusage``.
 
 :func:`keep_host_buffers` sets three ``mallopt`` parameters so those blocks are reused:
 
@@ -17,7 +17,7 @@ kernel time per 0.9 s step on 2 cores, measured with ``getrusage`` (BENCHMARKS.m
   system only above 2 GiB, so the next step finds its pages mapped.
 
 The costs: memory freed below that size stays with the process (its peak is what it held
-anyway), and XLA's compile threads share the one arena's lock (the issue-13 step compiled in
+anyway), and XLA's compile threads share the one arena's lock (that step compiled in
 8.1 s against 6.3 s), which about 12 of its faster steps pay back. PyTorch's eager CPU step of
 the same shape faults 47 MB and spends 0.037 s in the kernel per step: its activations are
 separate blocks of tens of MB from the main thread, which glibc's adaptive ``mmap`` threshold

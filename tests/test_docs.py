@@ -228,3 +228,24 @@ def test_parse_reads_languages_and_markers():
         ("python", True, None),
     ]
     assert blocks[3].code == "print(1)\n" and blocks[0].line == 1
+
+
+def test_a_script_without_simulated_devices_is_told_how_to_get_them(tmp_path):
+    """The library example without ``simulate_cpu_devices``: one error that names it."""
+    script = tmp_path / "no_devices.py"
+    script.write_text(
+        "from jaxpar import config as C\n"
+        "from jaxpar.errors import ConfigError\n"
+        "from jaxpar.train.loop import run\n"
+        "cfg = C.load('tiny', 'cpu-8')\n"
+        "try:\n"
+        "    run(cfg, quiet=True)\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "must equal the number of devices JAX sees (1)" in out.stdout
+    assert "jaxpar.devices.simulate_cpu_devices(8) in Python" in out.stdout

@@ -18,7 +18,7 @@ positions; a block's rows are the G query heads grouped under kv head k, C posit
 row r holds head k·G + r // C at position r % C), k and v ``[N, B, K, C, Dh]``. The G heads are
 merged into the rows in the layout itself, so a tile's matmuls see G·C rows whatever fusion XLA
 forms around them (XLA's default CPU pipeline merged them by folding bitcasts around the dots;
-with YNNPACK's reduce fusions, measured and not kept (BENCHMARKS.md), it left G a batch
+with YNNPACK's reduce fusions, which jaxpar does not enable, it left G a batch
 dimension of its own and the tile matmuls took 1.2–1.4× as long).
 A tile's matmuls (2 forward, 5 backward) are then plain batched matmuls over (B, K) reading
 their operands in place (see :func:`tile_grads`), and GQA never materialises repeated k/v

@@ -37,10 +37,9 @@ def project(x_BxSxD: jax.Array, w_DxN: jax.Array) -> jax.Array:
 
     Differentiated by JAX, ``dW`` is ``dyᵀ·x`` laid out back, and XLA:CPU transposes the wide
     operand ``dy`` ([B·S, N], N up to 6·D for gate/up) to feed its matmul; contracting ``x``
-    first transposes ``x`` ([B·S, D]) instead, fused into the norm that made it. Measured with
-    ``jax.profiler`` on ``scripts/bench_torch.py``'s one-device step (at 371dca3): the wide
-    shape's transposing copies 62 → 38 ms per step, the issue shape's step 0.297 → 0.283 s.
-    Gradients are the same products (fp32 rounding)."""
+    first transposes ``x`` ([B·S, D]) instead, fused into the norm that made it, so the step
+    copies the narrow operand rather than the wide one. Gradients are the same products (fp32
+    rounding)."""
     return jnp.tensordot(x_BxSxD, w_DxN, 1)
 
 

@@ -1,8 +1,8 @@
 """The attention core as a native XLA:CPU kernel: causal grouped-query flash attention in C++.
 
 XLA:CPU runs a batched matmul's batch on one thread and does not run loops side by side, so the
-blockwise kernel (:mod:`jaxpar.model.flash`) leaves every core but one idle while its tiles run
-(BENCHMARKS.md, "A second machine"). ``jaxpar/native/flash_cpu.cc`` holds the same math
+blockwise kernel (:mod:`jaxpar.model.flash`) leaves every core but one idle while its tiles
+run. ``jaxpar/native/flash_cpu.cc`` holds the same math
 (FlashAttention-2: the forward keeps the log-sum-exp, the backward recomputes the tiles) as two
 XLA FFI handlers that split the (batch row, kv head) pairs over XLA's intra-op thread pool.
 
@@ -138,9 +138,8 @@ def _threaded() -> np.bool_:
     process. With several (simulated) devices their programs already share the cores, and that
     pool also runs their thunks, collectives included. Threaded there, the default ``jaxpar
     train`` job (pp 2 · dp 2 · tp 2 on 8 simulated devices) once stalled in a collective
-    rendezvous after 74 steps (one run of two, before baf8b92); three later runs forced threaded ran
-    clean, at 0.89–1.00 s per step against 0.95 serial (BENCHMARKS.md): no gain, and a stall
-    whose cause is unknown."""
+    rendezvous; later runs forced threaded ran clean but no faster than serial. No gain, and a
+    stall whose cause is unknown, so several devices run each call serially."""
     return np.bool_(jax.device_count() == 1)
 
 

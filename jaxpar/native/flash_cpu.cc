@@ -4,7 +4,7 @@
 //
 // Why a native kernel: XLA:CPU runs a batched matmul's batch serially and does not run loops
 // side by side, so the blockwise kernel's tiles (jaxpar/model/flash.py) use one core whatever
-// the machine has (BENCHMARKS.md, "A second machine"). Here each task owns one
+// the machine has. Here each task owns one
 // (batch row, kv head) pair — the G query heads that read it and their dK/dV — so tasks share
 // no output and need no atomics.
 //

@@ -314,8 +314,8 @@ class _Program:
         Behind the barrier every collective of the forward phase is issued after every
         collective of the backward phase and its send, on every device; 0 of 3 runs aborted.
         The price, on every backend: the cotangent's send no longer overlaps the forward (not
-        measured on a GPU; on CPU, with the barrier, pp 2 × 1F1B runs at 1.10× and 0.91× one
-        device without and with full remat, BENCHMARKS.md).
+        measured on a GPU; on CPU, with the barrier, pp 2 × 1F1B still runs within 1.1× of one
+        device).
         """
         prog = copy.copy(self)
         params = (self.local, self.embed_p, self.head_p)

@@ -50,7 +50,7 @@ class Executor:
       (jaxpar's own step: :func:`for_model`); a published framework's are fixed.
     * ``tick_stashes``: stash-sized residual sets a tick holds beyond the schedule's peak (the
       backward's slot read out of the buffer and its working set); calibrated on one pipeline
-      layout (BENCHMARKS.md).
+      layout (``scripts/bench_planner_memory.py``).
     """
 
     name: str = "jaxpar"

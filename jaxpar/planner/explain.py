@@ -23,7 +23,7 @@ TERM_NAMES = {
 
 
 def summary(c: Candidate, model: ModelConfig, hw: HardwareConfig, shape: M.Shape) -> dict:
-    """The JSON object of one layout (keys documented in README's planner section)."""
+    """The JSON object of one layout (keys documented in docs/reference.md, ``jaxpar plan``)."""
     t = c.step_time
     tps = tokens_per_step(shape) / t
     flops = train_flops(model, shape) / t / c.layout.n_devices

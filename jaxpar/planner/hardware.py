@@ -29,7 +29,7 @@ from jaxpar.errors import ConfigError
 
 CURVE_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # The GPU mesh files' curves: share_max · g / (g + kappa · peak / hbm_bw); share_max fitted on
-# three published runs, kappa = 1 set (jaxpar.planner.published.fit; BENCHMARKS.md).
+# three published runs, kappa = 1 set (jaxpar.planner.published.fit; the others held out).
 # tests/test_planner.py checks that every GPU mesh file carries the curve these give.
 ROOFLINE_SHARE_MAX = 0.65
 ROOFLINE_KAPPA = 1.0

@@ -201,8 +201,7 @@ class Trainer:
         # A non-finite loss or gradient never reaches the state: the update is skipped here and
         # the loop applies the user's policy (skip or stop) from the flag. A cond, not a
         # `where` over the new state: the select kept each old moment live beside the update
-        # writing its donated buffer, and copy insertion copied every moment first
-        # (BENCHMARKS.md, "The optimizer update").
+        # writing its donated buffer, and copy insertion copied every moment first.
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
 
         def update(params_opt):
