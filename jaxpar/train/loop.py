@@ -43,7 +43,8 @@ def _devices_for(cfg: C.RunConfig, devices):
             raise ConfigError(
                 f"layout pp*dp*sp*tp={n}: must equal the number of devices JAX sees "
                 f"({len(devices)}); on CPU simulate them before JAX starts (--devices {n} on the "
-                f"command line, jaxpar.devices.simulate_cpu_devices({n}) in Python) or pass devices="
+                f"command line, jaxpar.devices.simulate_cpu_devices({n}) in Python) or pass "
+                "devices="
             )
     if len(devices) != n:
         raise ConfigError(f"layout pp*dp*sp*tp={n}: got {len(devices)} devices")
