@@ -24,7 +24,7 @@ all call. Breakdown (bytes on the most loaded device; ``host`` apart):
 
 The ``XLA_*`` constants are what XLA's buffer assignment adds over the counted tensors; they
 were calibrated once on one device (15 compiles of the test model varying layers, vocabulary,
-batch and sequence under each remat policy: ``scripts/make_benchmarks.py --calibrate-memory``)
+batch and sequence under each remat policy: ``scripts/bench_planner_memory.py --calibrate``)
 and are checked on multi-device layouts (``scripts/bench_planner_memory.py``), none of which
 they were fitted on.
 """
