@@ -19,6 +19,17 @@ each weight matmul's activation operand (the *taps*, a buffer of their own); ``I
 input cotangent and files each weight matmul's output cotangent (``dys``) for ``W``, which is
 then the weight matmuls alone. A full ``B`` of such a schedule is ``I`` followed by ``W``.
 Under recompute ``I`` re-runs the forward and files the taps with the ``dys``.
+
+**The stage interface** (what a layer must satisfy to run inside a stage, a MoE layer
+included): :attr:`StagePieces.layer` is a pure function ``(layer params, x) -> y`` of one
+layer, ``y`` shaped like ``x``; the executor scans it over the chunk's layers and takes its VJP
+with ``jax.vjp`` (split schedules: through :mod:`jaxpar.pipeline.split`'s jaxpr rewrite, so
+its weight matmuls must be plain ``dot_general``\\ s to be deferred to ``W``; others stay in
+``I``). It may run collectives over non-manual axes (tp, sp, an expert axis): in a fused tick
+the backward of one micro-batch and the forward of another run on every rank in that order,
+all of the backward's collectives issued first. What it must not do: return auxiliary
+outputs (a load-balancing loss must be folded into ``y``'s computation or the head's loss) or
+communicate over ``pp``/dp, which are manual here.
 """
 
 from __future__ import annotations
