@@ -29,11 +29,10 @@ from collections.abc import Callable
 
 from jaxpar.config import PIPELINE_MEMORY
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline.types import Action, Kind
+from jaxpar.pipeline.types import Action, Kind, Step
 
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")
-Step = tuple[Action, ...]  # one action, or a forward and a backward fused into one tick
 
 
 def _gpipe(p: int, m: int, v: int) -> list[list[Step]]:

@@ -43,15 +43,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxpar.pipeline.generators import (
-    KINDS,
-    V_SHAPED,
-    Step,
-    check_arguments,
-    generator,
-    placement_for,
-)
-from jaxpar.pipeline.types import Action, Cell, Kind, Schedule, ScheduleError
+from jaxpar.pipeline.generators import KINDS, V_SHAPED, check_arguments, generator, placement_for
+from jaxpar.pipeline.types import Action, Cell, Kind, Schedule, ScheduleError, Step
 
 __all__ = [
     "KINDS", "V_SHAPED", "Action", "Cell", "Kind", "Schedule", "ScheduleError", "Step",

@@ -68,6 +68,7 @@ class Action:
 
 # One rank's work in one tick: (), (a,), or a forward and a backward in the order they run.
 Cell = tuple[Action, ...]
+Step = Cell  # one step of a rank's order: one action, or a fused forward and backward
 
 
 @dataclass

@@ -20,8 +20,7 @@ from jaxpar.config import RunConfig, TrainConfig
 from jaxpar.errors import ConfigError
 from jaxpar.model import Model
 from jaxpar.pipeline.rest import STAGE_AXIS, RestLayout
-from jaxpar.train.context import GradContext, microbatch_split
-from jaxpar.train.grads import loss_and_grads, mean_loss
+from jaxpar.train.grads import GradContext, loss_and_grads, mean_loss, microbatch_split
 from jaxpar.train.guard import inject_nonfinite
 from jaxpar.train.reduce import DPReduction
 
