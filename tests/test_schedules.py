@@ -559,3 +559,34 @@ def test_plot_several_schedules(tmp_path):
         [make_schedule(k, 4, 8) for k in ("1f1b", "zb-h1", "zbv")], tmp_path / "cmp.png"
     )
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_tick_table_is_frozen_and_typed():
+    table = build_table(make_schedule("zb-h1", 4, 8))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        table.f_kind = table.b_kind  # type: ignore[misc]
+    with pytest.raises(ValueError, match="read-only"):
+        table.f_kind[0, 0] = 0
+    assert {a.dtype for a in table.arrays().values()} == {np.dtype(np.int32)}
+    assert table.recv_act.shape == (table.num_ticks, 4, 3)
+    assert (table.slots.taps, table.slots.dys) != (0, 0)  # split backward: I files for W
+
+
+@pytest.mark.parametrize(("kind", "v"), [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_branch_weights_count_what_the_table_runs(kind, v):
+    from jaxpar.pipeline.branches import BranchWeights, branch_scope, parse_branch_scope
+    from jaxpar.pipeline.step_tables import StepTables
+
+    tables = StepTables.make(kind, 4, 8, v, n_layers=8 * v)
+    w, sched, cells = tables.weights, tables.schedule, tables.table.num_ticks * 4
+    fb = fused_fb(sched)
+    plain_f = sum(a.kind == "F" and (a.stage, a.mb) not in fb for row in sched.orders for a in row)
+    assert w.forward[1] == pytest.approx(plain_f / cells)
+    assert sum(w.backward) == pytest.approx(1.0)
+    assert w.backward[4] == pytest.approx(len(fb) / cells)  # the FB branch
+    assert (w.backward[2] > 0) == (kind == "zb-h1")  # I only where backwards are split
+    for route, weights in zip(tables.sends, w.sends, strict=True):
+        assert sum(weights) == pytest.approx(1.0) and len(weights) == len(route.pair_sets) + 1
+    assert w == BranchWeights.of(tables.table, tables.last_stage, [r.index for r in tables.sends])
+    scope = f"jit(step)/shard_map/{branch_scope(w.backward)}/switch"
+    assert parse_branch_scope(scope) == pytest.approx(list(w.backward), abs=1e-6)

@@ -63,7 +63,8 @@ class SlotCounts:
 class TickTable:
     """A schedule's lock-step table for the executor: int32 ``[T, P]`` arrays (``recv_*``:
     ``[T, P, 3]``), -1 where a slot field does not apply. Read-only. Inside the executor's scan
-    the same fields hold one rank's values at one tick."""
+    the same fields hold one rank's values at one tick (:mod:`jaxpar.pipeline.carry` registers
+    it as a pytree: this module stays free of JAX)."""
 
     # Forward phase.
     f_kind: np.ndarray  # F_IDLE, F_RUN, or F_FB: forward and full backward of one (stage, mb)
