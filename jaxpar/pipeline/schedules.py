@@ -52,20 +52,27 @@ __all__ = [
 ]  # fmt: skip
 
 
+_SENDS_DX = (Kind.B, Kind.I)  # the backward pieces that send the stage's input cotangent
+_F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
+_new = tuple.__new__
+
+
 def backward_kind(orders: Sequence[Sequence[Action]]) -> dict[tuple[int, int], Kind]:
     """For each (stage, mb), the action that sends its input cotangent: ``B`` or ``I``."""
-    return {(a.stage, a.mb): a.kind for row in orders for a in row if a.kind.is_backward_input}
+    return {(a.stage, a.mb): a.kind for row in orders for a in row if a.kind in _SENDS_DX}
 
 
 def dependencies(a: Action, num_stages: int, bwd: dict[tuple[int, int], Kind]) -> list[Action]:
     """Actions that must finish before ``a`` may start (data and same-micro-batch order)."""
-    if a.kind == Kind.F:
-        return [a.of(Kind.F, a.stage - 1)] if a.stage > 0 else []
-    if a.kind == Kind.W:
-        return [a.of(Kind.I)]
-    deps = [a.of(Kind.F)]
-    if a.stage < num_stages - 1:
-        deps.append(a.of(bwd.get((a.stage + 1, a.mb), Kind.B), a.stage + 1))
+    kind, s, j = a
+    # Built with tuple.__new__ (see Action.of): this runs for every action of every walk.
+    if kind == _F:
+        return [_new(Action, (_F, s - 1, j))] if s > 0 else []
+    if kind == _W:
+        return [_new(Action, (_I, s, j))]
+    deps = [_new(Action, (_F, s, j))]
+    if s < num_stages - 1:
+        deps.append(_new(Action, (bwd.get((s + 1, j), _B), s + 1, j)))
     return deps
 
 

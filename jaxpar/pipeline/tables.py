@@ -236,13 +236,14 @@ def _spans(
     if not bwd or (s, j) in fb:  # forward only, or an FB: nothing waits for a backward
         return None
     b = bwd[(s, j)]
-    fwd, back = Action(Kind.F, s, j), Action(b, s, j)
+    fwd = Action(Kind.F, s, j)
+    back = fwd.of(b)
     if buf == "stash":
         return fwd, back
     if buf == "taps" and split:
-        return fwd, back if b == Kind.B else Action(Kind.W, s, j)
+        return fwd, back if b == Kind.B else fwd.of(Kind.W)
     if buf == "dys" and b == Kind.I:
-        return back, Action(Kind.W, s, j)
+        return back, fwd.of(Kind.W)
     if buf == "cot" and s == last:
         return fwd, back
     return None

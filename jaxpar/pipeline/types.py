@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class ScheduleError(ValueError):
@@ -31,29 +32,22 @@ class Kind(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
-    @property
-    def is_backward_input(self) -> bool:
-        """Whether it sends the stage's input cotangent (``B`` or ``I``)."""
-        return self in (Kind.B, Kind.I)
 
-
-@dataclass(frozen=True, order=True)
-class Action:
+class Action(NamedTuple):
     """One unit of pipeline work: ``kind`` of global virtual ``stage`` on micro-batch ``mb``.
 
     Text form ``F3.5``: the forward of stage 3 on micro-batch 5. Also the key of every
-    per-action map (ticks, timings): actions are hashable and order by (kind, stage, mb).
+    per-action map (ticks, timings): a named tuple, so it hashes, compares and orders as
+    ``(kind, stage, mb)`` at tuple speed (schedules of thousands of actions are built in the
+    planner's inner loop). ``kind`` is a :class:`Kind`; a plain ``"F"`` compares the same.
     """
 
     kind: Kind
     stage: int
     mb: int
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", Kind(self.kind))  # accepts "F" as well as Kind.F
-
     def __str__(self) -> str:
-        return f"{self.kind.value}{self.stage}.{self.mb}"
+        return f"{self.kind}{self.stage}.{self.mb}"
 
     @staticmethod
     def parse(text: str) -> Action:
@@ -61,9 +55,14 @@ class Action:
         stage, mb = text[1:].split(".")
         return Action(Kind(text[0]), int(stage), int(mb))
 
-    def of(self, kind: Kind | str, stage: int | None = None) -> Action:
+    def of(self, kind: Kind, stage: int | None = None) -> Action:
         """The action of ``kind`` on the same micro-batch (and stage, unless given)."""
-        return Action(Kind(kind), self.stage if stage is None else stage, self.mb)
+        # tuple.__new__ directly: a named tuple's own constructor is a Python function, and
+        # dependency walks build hundreds of thousands of these.
+        return _tuple_new(Action, (kind, self.stage if stage is None else stage, self.mb))
+
+
+_tuple_new = tuple.__new__
 
 
 # One rank's work in one tick: (), (a,), or a forward and a backward in the order they run.
