@@ -12,12 +12,7 @@ from collections.abc import Sequence
 
 from jaxpar.config import AXES, LayoutConfig
 from jaxpar.errors import ConfigError
-
-
-def _backend_initialized() -> bool:
-    import jax._src.xla_bridge as xb  # noqa: PLC0415  (private, but the only reliable probe)
-
-    return bool(getattr(xb, "_backends", None))
+from jaxpar.hostmem import backend_started, keep_host_buffers
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -30,10 +25,8 @@ def simulate_cpu_devices(n: int) -> None:
     """
     import jax
 
-    from jaxpar.hostmem import keep_host_buffers
-
     keep_host_buffers()
-    if _backend_initialized():
+    if backend_started():
         have = jax.device_count("cpu") if jax.default_backend() == "cpu" else None
         if have is not None and have != n:
             raise ConfigError(

@@ -43,6 +43,15 @@ ENV = "JAXPAR_HOST_ALLOCATOR"
 _state: str | None = None
 
 
+def backend_started() -> bool:
+    """Whether JAX has started a backend in this process (then its threads have their malloc
+    arenas, and the device count is fixed)."""
+    import jax._src.xla_bridge as xb  # private, but the only reliable probe; imported late so
+    # that importing this module does not import JAX (the CLI's start-up)
+
+    return bool(getattr(xb, "_backends", None))
+
+
 def glibc() -> bool:
     """Whether this process runs on glibc (the only allocator :func:`keep_host_buffers` tunes)."""
     if not sys.platform.startswith("linux"):
@@ -73,9 +82,7 @@ def keep_host_buffers() -> str:
     elif not glibc():
         _state = "unsupported"
     else:
-        from jaxpar.devices import _backend_initialized  # noqa: PLC0415  (no cycle at import)
-
-        late = _backend_initialized()
+        late = backend_started()
         libc = ctypes.CDLL(None)
         ok = all(
             libc.mallopt(param, value) == 1

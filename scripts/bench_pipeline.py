@@ -110,8 +110,8 @@ def pp_part(quick: bool) -> dict:
 
     from jaxpar.analysis.hlo import collective_bytes
     from jaxpar.devices import make_mesh
-    from jaxpar.pipeline.plan import Plan
-    from jaxpar.pipeline.tables import SEND_NEXT, SEND_PREV
+    from jaxpar.pipeline.schedules import make_schedule
+    from jaxpar.pipeline.tables import SEND_NEXT, SEND_PREV, build_table
     from jaxpar.planner.memory import Shape
     from jaxpar.planner.traffic import pp_message_bytes
     from jaxpar.train.step import Trainer
@@ -125,9 +125,9 @@ def pp_part(quick: bool) -> dict:
         with tr._ctx():
             compiled = jax.jit(tr.grads_fn).lower(tr.abstract_params, shape).compile()
         rep = collective_bytes(compiled, tr.mesh)
-        arrays = Plan.make("interleaved", p, m, 2, cfg.model.n_layers).arrays
-        sends = int(sum(((arrays[f] == SEND_NEXT) | (arrays[f] == SEND_PREV)).sum()
-                        for f in ("f_send", "b_send")))  # fmt: skip
+        table = build_table(make_schedule("interleaved", p, m, 2))
+        sends = int(sum(((codes == SEND_NEXT) | (codes == SEND_PREV)).sum()
+                        for codes in (table.f_send, table.b_send)))  # fmt: skip
         msg = pp_message_bytes(cfg.model, cfg.layout, Shape(batch, seq))
         implied = sends * msg / p
         pp = rep.select(axes=("pp",))

@@ -54,11 +54,12 @@ from jaxpar import validation as V  # noqa: E402
 from jaxpar.devices import make_mesh  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.pipeline.generators import KINDS, check_arguments  # noqa: E402
-from jaxpar.pipeline.grads import PipelineRun  # noqa: E402
 from jaxpar.pipeline.render import plot_schedules  # noqa: E402
 from jaxpar.pipeline.schedules import Action, lockstep, make_schedule  # noqa: E402
 from jaxpar.pipeline.stage import Stage  # noqa: E402
 from jaxpar.pipeline.tables import fused_fb  # noqa: E402
+from jaxpar.pipeline.timing import stats  # noqa: E402
+from jaxpar.train.pipeline_run import PipelineRun  # noqa: E402
 from jaxpar.train.step import Trainer  # noqa: E402
 
 P, M = 4, 16
@@ -90,7 +91,7 @@ def table() -> list[dict]:
                         check_arguments(kind, p, m, v, mem)
                     except ConfigError:  # a combination the schedule refuses
                         continue
-                    st = make_schedule(kind, p, m, v, mem).stats()
+                    st = stats(make_schedule(kind, p, m, v, mem))
                     rows.append({
                         "kind": kind, "p": p, "m": m, "v": v, "pipeline_memory": mem,
                         "makespan": st.makespan,
@@ -206,7 +207,7 @@ def compiled_part(steps: int) -> dict:
     out = {}
     for name, (k, v, mem) in ROWS.items():
         sched = make_schedule(k, P, M, v, mem)
-        st = sched.stats()
+        st = stats(sched)
         f = flops[k]
         sim = simulated_step(sched, f)
         out[name] = {

@@ -79,7 +79,7 @@ def test_layout_reproduces_one_device_and_reduces_as_its_stage(name):
     dp_kinds = {e["kind"] for e in comm["entries"] if set(e["axes"]) == {"dp"} and e["bytes"] > 1e3}
     assert dp_kinds == ({"all-reduce"} if zero == 0 else {"reduce-scatter", "all-gather"})
     # Inside a pipeline the collectives of a tick's branches count as often as the table runs
-    # them (jaxpar.analysis.hlo_text.branch_scope), so the stage's theory holds there too.
+    # them (jaxpar.pipeline.branches.branch_scope), so the stage's theory holds there too.
     theory = dp_comm_theory(cfg)["total_bytes"]
     assert comm["dp_wire_bytes"] == pytest.approx(theory, rel=0.10)
 

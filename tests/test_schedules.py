@@ -1,6 +1,7 @@
 """Pipeline schedule tables: validity, slot bookkeeping, bubble theory, errors, CLI, rendering.
 
-Pure Python (no JAX). Costs are F=1, B=2, I=W=1 per full stage, a chunk costs 1/v.
+Pure Python (no JAX). Costs are F=1, B=2, I=W=1 per full stage, a chunk costs 1/v. The tick
+table's slots are checked by :func:`replay_slots`, which runs the table as the executor would.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 from jaxpar.cli import main
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline.render import ascii_table, plot_schedules
+from jaxpar.pipeline.render import ascii_table, legend_entries, plot_schedules, schedule_figure
 from jaxpar.pipeline.schedules import (
     KINDS,
     Action,
@@ -22,8 +23,25 @@ from jaxpar.pipeline.schedules import (
     make_schedule,
     validate,
 )
-from jaxpar.pipeline.tables import B_CODE, F_CODE, PER_TICK, SEND_LOCAL, check_slots, fused_fb
+from jaxpar.pipeline.tables import (
+    B_CODE,
+    B_FULL,
+    B_INPUT,
+    B_WEIGHT,
+    BUFFERS,
+    CHANNEL_OF_SEND,
+    F_FB,
+    F_RUN,
+    SEND_LOCAL,
+    SEND_NONE,
+    TickTable,
+    build_table,
+    destination,
+    fused_fb,
+    send_code,
+)
 from jaxpar.pipeline.timing import stats
+from jaxpar.pipeline.types import Schedule
 from jaxpar.planner.search import pipe_choices
 
 PS = (1, 2, 4, 8)
@@ -83,29 +101,138 @@ def test_every_generator_validates_and_its_slots_replay(kind):
     for kind_, p, m, v, memory in cases:
         sched = make_schedule(kind_, p, m, v, memory)
         validate(sched)  # make_schedule validates too; this documents the check
-        arrays = sched.as_arrays()
-        check_slots(sched, arrays)
+        table = build_table(sched)
+        replay_slots(sched, table)
         st = stats(sched)
         # The stash buffer is the lock-step peak of the ranks that stash (a fused tick's
         # backward runs first and its slot takes the forward's stash; an FB stashes nothing).
-        assert int(arrays["n_stash_slots"]) == stored_peak(sched) <= max(st.peak_stashes)
+        assert table.slots.stash == stored_peak(sched) <= max(st.peak_stashes)
         peak = max(st.peak_stashes)
-        assert int(arrays["n_act_slots"]) <= peak and int(arrays["n_grad_slots"]) <= peak
-        # The integer table is the tick table: same actions in the same cells.
-        for r, row in enumerate(sched.ticks):
-            for t, cell in enumerate(row):
-                f_code, b_code = int(arrays["f_kind"][t, r]), int(arrays["b_kind"][t, r])
-                forward = [a for a in cell if a.kind == "F"]
-                backward = [a for a in cell if a.kind != "F"]
-                fb = forward and backward and (forward[0].stage, forward[0].mb) == (
-                    backward[0].stage, backward[0].mb)  # fmt: skip
-                assert f_code == (F_CODE["FB"] if fb else F_CODE["F"] if forward else 0)
-                assert b_code == (B_CODE[backward[0].kind] if backward and not fb else 0)
-                for ph, acts in (("f_", forward), ("b_", [] if fb else backward)):
-                    for a in acts:
-                        assert (arrays[ph + "stage"][t, r], arrays[ph + "mb"][t, r]) == (
-                            a.stage, a.mb)  # fmt: skip
-                        assert sched.stages_of(r)[arrays[ph + "chunk"][t, r]] == a.stage
+        assert table.slots.act <= peak and table.slots.grad <= peak
+        assert_table_is_the_ticks(sched, table)
+
+
+def assert_table_is_the_ticks(sched: Schedule, table: TickTable) -> None:
+    """The integer table is the tick table: same actions in the same cells."""
+    for r, row in enumerate(sched.ticks):
+        for t, cell in enumerate(row):
+            f_code, b_code = int(table.f_kind[t, r]), int(table.b_kind[t, r])
+            forward = [a for a in cell if a.kind == "F"]
+            backward = [a for a in cell if a.kind != "F"]
+            fb = forward and backward and (forward[0].stage, forward[0].mb) == (
+                backward[0].stage, backward[0].mb)  # fmt: skip
+            assert f_code == (F_FB if fb else F_RUN if forward else 0)
+            assert b_code == (B_CODE[backward[0].kind] if backward and not fb else 0)
+            for ph, acts in (("f_", forward), ("b_", [] if fb else backward)):
+                for a in acts:
+                    stage, mb = getattr(table, ph + "stage"), getattr(table, ph + "mb")
+                    assert (stage[t, r], mb[t, r]) == (a.stage, a.mb)
+                    assert sched.stages_of(r)[getattr(table, ph + "chunk")[t, r]] == a.stage
+
+
+class _Replay:
+    """The executor's use of a table's slots, tick by tick (see :func:`replay_slots`)."""
+
+    def __init__(self, sched: Schedule, table: TickTable):
+        self.sched, self.table, self.p = sched, table, sched.p
+        self.size = {b: getattr(table.slots, b) for b in BUFFERS}
+        self.bufs = {b: [[None] * self.size[b] for _ in range(sched.p)] for b in BUFFERS}
+        self.split = any(a.kind == "I" for row in sched.orders for a in row)
+
+    def at(self, field: str, t: int, r: int) -> int:
+        return int(getattr(self.table, field)[t, r])
+
+    def take(self, buf: str, r: int, k: int, want: tuple[int, int], t: int) -> None:
+        if not 0 <= k < self.size[buf] or self.bufs[buf][r][k] != want:
+            raise ScheduleError(f"tick {t} rank {r}: {buf} slot {k} lacks {want}")
+        self.bufs[buf][r][k] = None
+
+    def put(self, buf: str, r: int, k: int, item: tuple[int, int], t: int) -> None:
+        if not 0 <= k < self.size[buf] or self.bufs[buf][r][k] is not None:
+            raise ScheduleError(f"tick {t} rank {r}: {buf} slot {k} is live or out of range")
+        self.bufs[buf][r][k] = item
+
+    def unset(self, t: int, r: int, *fields: str) -> None:
+        for f in fields:
+            if self.at(f, t, r) != -1:
+                raise ScheduleError(f"tick {t} rank {r}: {f} is set for an action without one")
+
+    def send(self, t: int, buf: str, r: int, s_to: int, j: int, field: str, tick: dict) -> None:
+        code, dst = self.at(field, t, r), self.sched.placement[s_to]
+        if code != send_code(r, dst, self.p) or destination(r, code, self.p) != dst:
+            raise ScheduleError(f"tick {t} rank {r}: wrong {field} {code}")
+        ch = CHANNEL_OF_SEND[code]
+        tick["writes"].append((buf, dst, int(getattr(self.table, "recv_" + buf)[t, dst, ch]),
+                               (s_to, j)))  # fmt: skip
+        tick["expected"][buf][dst, ch] = 0
+        tick["sent"].add((r, field))
+
+    def forward(self, t: int, r: int, tick: dict) -> None:
+        fk, last = self.at("f_kind", t, r), self.sched.num_stages - 1
+        s, j = self.at("f_stage", t, r), self.at("f_mb", t, r)
+        if s > 0:
+            self.take("act", r, self.at("f_in", t, r), (s, j), t)
+        else:
+            self.unset(t, r, "f_in")
+        if fk == F_FB:
+            self.unset(t, r, "f_stash", "f_taps", "f_cot")
+        else:
+            bufs = ["stash"] + (["taps"] if self.split else []) + (["cot"] if s == last else [])
+            tick["writes"] += [(b, r, self.at("f_" + b, t, r), (s, j)) for b in bufs]
+        if s < last:
+            self.send(t, "act", r, s + 1, j, "f_send", tick)
+        if fk == F_FB and s > 0:
+            self.send(t, "grad", r, s - 1, j, "b_send", tick)
+
+    def backward(self, t: int, r: int, tick: dict) -> None:
+        bk, last = self.at("b_kind", t, r), self.sched.num_stages - 1
+        s, j = self.at("b_stage", t, r), self.at("b_mb", t, r)
+        if bk in (B_FULL, B_INPUT):
+            if s < last:
+                self.take("grad", r, self.at("b_in", t, r), (s, j), t)
+            else:
+                self.take("cot", r, self.at("b_cot", t, r), (s, j), t)
+            self.take("stash", r, self.at("b_stash", t, r), (s, j), t)
+            if s > 0:
+                self.send(t, "grad", r, s - 1, j, "b_send", tick)
+        if bk == B_INPUT:
+            tick["writes"].append(("dys", r, self.at("b_dys", t, r), (s, j)))
+        if bk == B_WEIGHT:
+            self.take("dys", r, self.at("b_dys", t, r), (s, j), t)
+        if self.split and bk in (B_FULL, B_WEIGHT):
+            self.take("taps", r, self.at("b_taps", t, r), (s, j), t)
+
+    def run(self) -> None:
+        for t in range(self.table.num_ticks):
+            tick = {"writes": [], "sent": set(),
+                    "expected": {b: np.full((self.p, 3), -1) for b in ("act", "grad")}}  # fmt: skip
+            for r in range(self.p):
+                if self.at("f_kind", t, r):
+                    self.forward(t, r, tick)
+                if self.at("b_kind", t, r):
+                    self.backward(t, r, tick)
+                for field in ("f_send", "b_send"):
+                    if (r, field) not in tick["sent"] and self.at(field, t, r) != SEND_NONE:
+                        raise ScheduleError(f"tick {t} rank {r}: {field} without a message")
+            # Messages and stashes are filed after every rank has read: a slot read this tick
+            # may be reused at its end.
+            for buf, r, k, item in tick["writes"]:
+                self.put(buf, r, k, item, t)
+            for buf in ("act", "grad"):
+                stray = (getattr(self.table, "recv_" + buf)[t] >= 0) & (tick["expected"][buf] < 0)
+                if stray.any():
+                    raise ScheduleError(f"tick {t}: {buf} receive slot without a message")
+        for buf, per_rank in self.bufs.items():
+            if any(x is not None for row in per_rank for x in row):
+                raise ScheduleError(f"{buf} buffer not empty at the end of the step")
+
+
+def replay_slots(sched: Schedule, table: TickTable) -> None:
+    """Replay ``table`` tick by tick as the executor would; raise on any misuse of a slot:
+    a read that does not find the (stage, micro-batch) it expects, a write onto a live slot or
+    outside the buffer, a message without a receiving slot or a receive without a message, a
+    buffer not empty at the end."""
+    _Replay(sched, table).run()
 
 
 def _steps(orders):
@@ -169,11 +296,11 @@ def test_fused_ticks_are_validated_inside_the_tick():
     validate(forward_first)
     assert stats(forward_first).peak_stashes[2] == stats(good).peak_stashes[2] + 1
     with pytest.raises(ScheduleError, match="runs a tick's backward first"):
-        forward_first.as_arrays()
+        build_table(forward_first)
     # Fusing rank 2's B2.0 with the forward before it, in the tick where rank 3 runs B3.0:
     # the cotangent is sent at the end of that tick, so B2.0 cannot use it in the same tick.
     ticks = [list(row) for row in good.ticks]
-    t = good.tick_of()[("B", 3, 0)]
+    t = good.tick_of()[Action("B", 3, 0)]
     b20 = Action("B", 2, 0)
     ticks[2] = [tuple(a for a in c if a != b20) for c in ticks[2]]
     ticks[2][t] = (*ticks[2][t], b20)
@@ -198,17 +325,19 @@ def test_fused_lockstep_makespan_is_the_async_one(kind):
 
 def test_slot_checker_catches_a_corrupted_table():
     for sched in (make_schedule("zbv", 4, 8), make_schedule("interleaved", 4, 8, 2)):
-        good = sched.as_arrays()
-        keys = [k for k in PER_TICK + ("recv_act", "recv_grad") if k.endswith(("_in", "_stash",
-                "_taps", "_dys", "_cot", "_send", "recv_act", "recv_grad"))]  # fmt: skip
+        good = build_table(sched)
+        replay_slots(sched, good)
+        keys = [k for k in good.arrays() if k.endswith(("_in", "_stash", "_taps", "_dys", "_cot",
+                "_send", "recv_act", "recv_grad"))]  # fmt: skip
         for key in keys:
-            if not np.any(good[key] > 0):
+            field = getattr(good, key)
+            if not np.any(field > 0):
                 continue
-            bad = {k: v.copy() for k, v in good.items()}
-            where = tuple(np.argwhere(bad[key] > 0)[3])
-            bad[key][where] = bad[key][where] + 1
+            corrupt = field.copy()
+            where = tuple(np.argwhere(corrupt > 0)[3])
+            corrupt[where] += 1
             with pytest.raises(ScheduleError):
-                check_slots(sched, bad)
+                replay_slots(sched, good.replace(**{key: corrupt}))
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -294,13 +423,13 @@ def test_lockstep_of_unfused_and_split_schedules():
 def test_v_placement_and_local_hops():
     sched = make_schedule("zbv", 4, 8)
     assert sched.placement == (0, 1, 2, 3, 3, 2, 1, 0)
-    arrays = sched.as_arrays()
+    table = build_table(sched)
     tick = sched.tick_of()
     # The turn of the V (stage 3 -> 4 on rank 3) is local; stage 4 -> 5 goes up a rank.
-    assert arrays["f_send"][tick[("F", 3, 0)], 3] == SEND_LOCAL
-    assert arrays["f_send"][tick[("F", 4, 0)], 3] == 2
-    one = make_schedule("interleaved", 1, 4, 2).as_arrays()
-    sends = np.concatenate([one["f_send"].ravel(), one["b_send"].ravel()])
+    assert table.f_send[tick[Action("F", 3, 0)], 3] == SEND_LOCAL
+    assert table.f_send[tick[Action("F", 4, 0)], 3] == 2
+    one = build_table(make_schedule("interleaved", 1, 4, 2))
+    sends = np.concatenate([one.f_send.ravel(), one.b_send.ravel()])
     assert set(sends[sends > 0].tolist()) == {SEND_LOCAL}
 
 
@@ -332,12 +461,44 @@ def test_action_text_round_trips():
         assert Action.parse(str(a)) == a
 
 
-def test_ascii_table_is_aligned():
+def test_ascii_table_wraps_to_120_columns_and_keeps_every_cell():
     sched = make_schedule("interleaved", 4, 8, 2)
-    lines = ascii_table(sched).splitlines()
-    assert len(lines) == 1 + sched.p
-    assert len({len(line) for line in lines}) == 1
-    assert "F0.0" in lines[1] and "F7.7+B7.7" in lines[4]  # the last stage's fused tick
+    text = ascii_table(sched)
+    blocks = [b.splitlines() for b in text.split("\n\n")]
+    assert len(blocks) > 1  # 26 ticks of 9-character cells do not fit on one line
+    for lines in blocks:
+        assert len(lines) == 1 + sched.p
+        assert len({len(line) for line in lines}) == 1  # aligned within a block
+        assert max(len(line) for line in lines) <= 120
+    # Every tick appears once, in order, and each rank's cells read back as its tick row.
+    ticks = [int(t) for lines in blocks for t in lines[0].split()]
+    assert ticks == list(range(sched.num_ticks))
+    for r in range(sched.p):
+        cells = [c for lines in blocks for c in lines[1 + r].split()[2:]]
+        assert cells == ["+".join(map(str, c)) if c else "." for c in sched.ticks[r]]
+    assert "F7.7+B7.7" in text  # the last stage's fused tick
+    narrow = ascii_table(sched, width=60)
+    assert max(len(line) for line in narrow.splitlines()) <= 60
+
+
+def test_plot_labels_micro_batches_and_chunks_and_only_present_actions():
+    import matplotlib.pyplot as plt
+
+    inter = make_schedule("interleaved", 4, 8, 2)
+    assert [e[0] for e in legend_entries([inter])] == ["F", "B", "chunk 0", "chunk 1"]
+    assert [e[0] for e in legend_entries([make_schedule("zb-h1", 4, 8)])] == ["F", "I", "W"]
+    fig = schedule_figure([inter])
+    try:
+        (legend,) = fig.legends
+        assert [t.get_text() for t in legend.get_texts()] == ["F", "B", "chunk 0", "chunk 1"]
+        for ax in fig.axes:
+            labels = [t.get_text() for t in ax.texts]
+            # Every box of this schedule is wide enough for its micro-batch label.
+            assert sorted(labels) == sorted(str(a.mb) for row in inter.orders for a in row)
+            hatches = {p.get_hatch() for p in ax.patches}
+            assert hatches == {"", "///"}  # chunk 0 plain, chunk 1 hatched
+    finally:
+        plt.close(fig)
 
 
 def test_cli_json_and_plot(capsys, tmp_path):
@@ -398,3 +559,34 @@ def test_plot_several_schedules(tmp_path):
         [make_schedule(k, 4, 8) for k in ("1f1b", "zb-h1", "zbv")], tmp_path / "cmp.png"
     )
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_tick_table_is_frozen_and_typed():
+    table = build_table(make_schedule("zb-h1", 4, 8))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        table.f_kind = table.b_kind  # type: ignore[misc]
+    with pytest.raises(ValueError, match="read-only"):
+        table.f_kind[0, 0] = 0
+    assert {a.dtype for a in table.arrays().values()} == {np.dtype(np.int32)}
+    assert table.recv_act.shape == (table.num_ticks, 4, 3)
+    assert (table.slots.taps, table.slots.dys) != (0, 0)  # split backward: I files for W
+
+
+@pytest.mark.parametrize(("kind", "v"), [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_branch_weights_count_what_the_table_runs(kind, v):
+    from jaxpar.pipeline.branches import BranchWeights, branch_scope, parse_branch_scope
+    from jaxpar.pipeline.step_tables import StepTables
+
+    tables = StepTables.make(kind, 4, 8, v, n_layers=8 * v)
+    w, sched, cells = tables.weights, tables.schedule, tables.table.num_ticks * 4
+    fb = fused_fb(sched)
+    plain_f = sum(a.kind == "F" and (a.stage, a.mb) not in fb for row in sched.orders for a in row)
+    assert w.forward[1] == pytest.approx(plain_f / cells)
+    assert sum(w.backward) == pytest.approx(1.0)
+    assert w.backward[4] == pytest.approx(len(fb) / cells)  # the FB branch
+    assert (w.backward[2] > 0) == (kind == "zb-h1")  # I only where backwards are split
+    for route, weights in zip(tables.sends, w.sends, strict=True):
+        assert sum(weights) == pytest.approx(1.0) and len(weights) == len(route.pair_sets) + 1
+    assert w == BranchWeights.of(tables.table, tables.last_stage, [r.index for r in tables.sends])
+    scope = f"jit(step)/shard_map/{branch_scope(w.backward)}/switch"
+    assert parse_branch_scope(scope) == pytest.approx(list(w.backward), abs=1e-6)

@@ -22,7 +22,7 @@ Collectives in a ``while`` body run once per trip: XLA records ``known_trip_coun
 while's ``backend_config`` for ``lax.scan``/``fori_loop``; nested loops multiply. A loop
 without a known trip count is counted as one trip and listed in ``unknown_trip_loops`` (a
 lower bound, not a guess). A ``conditional`` whose code stated how often it takes each branch
-(:func:`jaxpar.analysis.hlo_text.branch_scope`: the pipeline's tick branches) counts each
+(:func:`jaxpar.pipeline.branches.branch_scope`: the pipeline's tick branches) counts each
 branch that often; the branches of any other conditional are counted as if every branch ran
 and flagged (``in_conditional``), an upper bound. :func:`copy_bytes` counts the buffer copies
 the same way.

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxpar.pipeline.branches import parse_branch_scope
+
 # Bytes per element of HLO primitive types (sub-byte types are fractional).
 DTYPE_BYTES: dict[str, float] = {
     **dict.fromkeys(("s4", "u4"), 0.5),
@@ -38,29 +40,13 @@ _CALLEE_ATTRS = re.compile(
     r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
-_BRANCHES = "jaxpar_branches"
-_BRANCH_SCOPE = re.compile(_BRANCHES + r"\[([0-9.e,+\-]*)\]/[\w.\-]*$")
-
-
-def branch_scope(weights) -> str:
-    """A ``jax.named_scope`` name stating how often each branch of the ``lax.switch`` /
-    ``lax.cond`` directly inside it runs: ``weights[i]`` = the share of the conditional's
-    executions that take branch ``i``, averaged over devices (a ``cond``: ``[false, true]``).
-
-    The name reaches the compiled HLO as the conditional's ``op_name`` metadata, so
-    :func:`execution_counts` counts each branch ``trips × weights[i]`` times instead of
-    ``trips`` times for every branch (a pipeline tick runs one of its branches per rank).
-    """
-    return _BRANCHES + "[" + ",".join(f"{float(w):.6g}" for w in weights) + "]"
 
 
 def branch_weights(ins: Instr) -> list[float] | None:
-    """The weights :func:`branch_scope` put on a ``conditional``, or None (unannotated)."""
+    """The weights the pipeline executor put on a ``conditional`` (its ``op_name`` scope,
+    :func:`jaxpar.pipeline.branches.branch_scope`), or None (unannotated)."""
     om = re.search(r'op_name="([^"]*)"', ins.attrs)
-    bm = _BRANCH_SCOPE.search(om.group(1)) if om else None
-    if not bm:
-        return None
-    return [float(w) for w in bm.group(1).split(",") if w]
+    return parse_branch_scope(om.group(1)) if om else None
 
 
 @dataclass
@@ -169,10 +155,10 @@ def execution_counts(
     """Executions per step of each computation reachable from ENTRY.
 
     Returns ``{comp: (trips, all_known, in_conditional)}`` and the loops whose count is unknown.
-    A branch of a ``conditional`` annotated by :func:`branch_scope` runs ``weights[i]`` of the
-    conditional's executions (``in_conditional`` stays False for it: its count is what the
-    annotation says); a branch of an unannotated one is counted as if it ran every time and
-    flagged ``in_conditional``.
+    A branch of a ``conditional`` annotated by :func:`~jaxpar.pipeline.branches.branch_scope`
+    runs ``weights[i]`` of the conditional's executions (``in_conditional`` stays False for it:
+    its count is what the annotation says); a branch of an unannotated one is counted as if it
+    ran every time and flagged ``in_conditional``.
     """
     mult: dict[str, tuple[int, bool, bool]] = {entry: (1, True, False)}
     unknown: list[str] = []

@@ -1,15 +1,15 @@
 """``jaxpar schedule``: print (and optionally plot) a pipeline schedule and its statistics.
 
-Human output: the lock-step tick table (one row per rank, one column per tick) and a stats
-block. ``--json`` prints one JSON object last with keys ``kind``, ``stages``, ``microbatches``,
-``virtual``, ``pipeline_memory`` (``fast`` or ``lean``), ``ranks`` (per rank its order as
-action strings like ``F3.5``), ``makespan``,
-``bubble_fraction``, ``span_bubble_fraction`` (per rank), ``start_skew``, ``lockstep_ticks``,
-``lockstep_makespan`` (a tick lasts as long as its slowest rank's work, fused ticks' forward
-and backward added), ``lockstep_bubble_fraction``, ``peak_inflight`` (per rank, in its order),
-``peak_stashes`` (per rank, in the lock-step table: what the executor holds), ``fused_ticks``
-(ticks in which some rank runs a forward and a backward) and ``plot`` (the PNG path or null).
-Costs: F=1, B=2, I=W=1 per stage, a chunk 1/v of that.
+Human output: the lock-step tick table (one row per rank, one column per tick, wrapped to 120
+columns) and a stats block. ``--json`` prints one JSON object last with keys ``kind``,
+``stages``, ``microbatches``, ``virtual``, ``pipeline_memory`` (``fast`` or ``lean``), ``ranks``
+(per rank its order as action strings like ``F3.5``), ``makespan``, ``bubble_fraction``,
+``span_bubble_fraction`` (per rank), ``start_skew``, ``lockstep_ticks``, ``lockstep_makespan``
+(a tick lasts as long as its slowest rank's work, fused ticks' forward and backward added),
+``lockstep_bubble_fraction``, ``peak_inflight`` (per rank, in its order), ``peak_stashes`` (per
+rank, in the lock-step table: what the executor holds), ``fused_ticks`` (ticks in which some
+rank runs a forward and a backward) and ``plot`` (the PNG path or null). Costs: F=1, B=2, I=W=1
+per stage, a chunk 1/v of that.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     )
     st = stats(sched)
     if args.plot:
-        from jaxpar.pipeline.render import plot_schedule
+        from jaxpar.pipeline.render import plot_schedule  # lazy on purpose: CLI start-up
 
         plot_schedule(sched, args.plot)
     if args.json:
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             }
         )
         return 0
-    from jaxpar.pipeline.render import ascii_table, stats_block
+    from jaxpar.pipeline.render import ascii_table, stats_block  # lazy: CLI start-up
 
     print(ascii_table(sched, args.max_ticks))
     print()

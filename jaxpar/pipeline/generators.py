@@ -3,7 +3,7 @@
 Each generator ``(p, m, v) -> steps`` returns, per rank, its work in execution order as a list
 of *steps*; a step is a tuple of one action, or of two that share a lock-step tick: a forward
 and a backward (``B`` or ``I``) of the same rank — a *fused tick*. Actions are
-``(kind, stage, micro-batch)`` tuples. :func:`jaxpar.pipeline.schedules.make_schedule` turns
+:class:`~jaxpar.pipeline.types.Action` values. :func:`jaxpar.pipeline.schedules.make_schedule` turns
 the steps into a validated :class:`~jaxpar.pipeline.schedules.Schedule`. Facts about each
 schedule (warm-up counts, phase structure) come from its paper or reference implementation,
 cited at the generator; the code is jaxpar's own.
@@ -29,25 +29,25 @@ from collections.abc import Callable
 
 from jaxpar.config import PIPELINE_MEMORY
 from jaxpar.errors import ConfigError
+from jaxpar.pipeline.types import Action, Kind, Step
 
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")
-Key = tuple[str, int, int]  # (kind, global stage, micro-batch)
-Step = tuple[Key, ...]  # one action, or a forward and a backward fused into one tick
 
 
 def _gpipe(p: int, m: int, v: int) -> list[list[Step]]:
     # All forwards, then all backwards in the same micro-batch order: m stashes live per rank.
     return [
-        [(("F", r, j),) for j in range(m)] + [(("B", r, j),) for j in range(m)] for r in range(p)
+        [(Action(Kind.F, r, j),) for j in range(m)] + [(Action(Kind.B, r, j),) for j in range(m)]
+        for r in range(p)
     ]
 
 
-def fused(f: Key, b: Key) -> Step:
+def fused(f: Action, b: Action) -> Step:
     """A forward and a backward in one tick, in the order the executor runs them: the
     backward first (it frees its stash slot before the forward fills one) unless it is the
     backward of the forward's own (stage, micro-batch) — the last stage's ``FB``."""
-    return (f, b) if f[1:] == b[1:] else (b, f)
+    return (f, b) if (f.stage, f.mb) == (b.stage, b.mb) else (b, f)
 
 
 def _1f1b(p: int, m: int, v: int) -> list[list[Step]]:
@@ -68,15 +68,15 @@ def _interleaved(p: int, m: int, v: int) -> list[list[Step]]:
     steps = []
     for r in range(p):
 
-        def item(k: int, kind: str, r: int = r) -> Key:
+        def item(k: int, kind: Kind, r: int = r) -> Action:
             chunk = (k // p) % v
-            chunk = chunk if kind == "F" else v - 1 - chunk
-            return (kind, chunk * p + r, (k // (p * v)) * p + k % p)
+            chunk = chunk if kind == Kind.F else v - 1 - chunk
+            return Action(kind, chunk * p + r, (k // (p * v)) * p + k % p)
 
         warm = min(2 * (p - 1 - r) + (v - 1) * p, total)
-        row: list[Step] = [(item(k, "F"),) for k in range(warm)]
-        row += [fused(item(warm + k, "F"), item(k, "B")) for k in range(total - warm)]
-        row += [(item(k, "B"),) for k in range(total - warm, total)]
+        row: list[Step] = [(item(k, Kind.F),) for k in range(warm)]
+        row += [fused(item(warm + k, Kind.F), item(k, Kind.B)) for k in range(total - warm)]
+        row += [(item(k, Kind.B),) for k in range(total - warm, total)]
         steps.append(row)
     return steps
 
@@ -95,10 +95,10 @@ def _1f1b_lean(p: int, m: int, v: int) -> list[list[Step]]:
     steps = []
     for r in range(p):
         warm = min(p - r, m)
-        row: list[Step] = [(("F", r, j),) for j in range(warm)]
+        row: list[Step] = [(Action(Kind.F, r, j),) for j in range(warm)]
         for k in range(m - warm):
-            row += [(("B", r, k),), (("F", r, k + warm),)]
-        row += [(("B", r, k),) for k in range(m - warm, m)]
+            row += [(Action(Kind.B, r, k),), (Action(Kind.F, r, k + warm),)]
+        row += [(Action(Kind.B, r, k),) for k in range(m - warm, m)]
         steps.append(row)
     return steps
 
@@ -114,11 +114,11 @@ def _zb_h1(p: int, m: int, v: int) -> list[list[Step]]:
         row: list[Step] = []
         for x in range(m + p - 1):
             if x < m:
-                row.append((("F", r, x),))
+                row.append((Action(Kind.F, r, x),))
             if 0 <= x - (p - 1 - r) < m:
-                row.append((("I", r, x - (p - 1 - r)),))
+                row.append((Action(Kind.I, r, x - (p - 1 - r)),))
             if 0 <= x - (p - 1) < m:
-                row.append((("W", r, x - (p - 1)),))
+                row.append((Action(Kind.W, r, x - (p - 1)),))
         steps.append(row)
     return steps
 
@@ -135,15 +135,15 @@ class _VRow:
         self.stages = (r, 2 * p - 1 - r)
         self.row: list[Step] = []
         self.count = {(k, c): 0 for k in "FBW" for c in (0, 1)}
-        self.queue: list[Key] = []
+        self.queue: list[Action] = []
 
     def add(self, kind: str, chunk: int) -> None:
         family = "B" if kind == "I" else kind
         stage, mb = self.stages[chunk], self.count[(family, chunk)]
         self.count[(family, chunk)] += 1
-        self.row.append(((kind, stage, mb),))
+        self.row.append((Action(Kind(kind), stage, mb),))
         if kind == "I":
-            self.queue.append(("W", stage, mb))
+            self.queue.append(Action(Kind.W, stage, mb))
 
     def weight(self) -> None:
         self.row.append((self.queue.pop(0),))

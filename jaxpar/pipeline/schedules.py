@@ -1,11 +1,12 @@
-"""Pipeline schedules as tables: data model, ``make_schedule``, lock-step simulation, validation.
+"""Pipeline schedules as tables: ``make_schedule``, lock-step simulation, validation.
 
 Vocabulary
 ----------
 * ``p`` ranks (pipeline devices), ``m`` micro-batches, ``v`` virtual stages (chunks) per rank;
   the model is cut into ``S = p * v`` *global virtual stages* ``s = 0 .. S-1``.
-* An :class:`Action` is ``F`` (forward), ``B`` (full backward), ``I`` (input-gradient backward)
-  or ``W`` (weight-gradient backward) of one stage on one micro-batch; text form ``F3.5`` is the
+* An :class:`~jaxpar.pipeline.types.Action` (the data model: :mod:`jaxpar.pipeline.types`)
+  is ``F`` (forward), ``B`` (full backward), ``I`` (input-gradient backward) or ``W``
+  (weight-gradient backward) of one stage on one micro-batch; text form ``F3.5`` is the
   forward of stage 3 on micro-batch 5. Each (stage, micro-batch) gets either one ``B`` or one
   ``I`` followed (later, same rank) by one ``W``.
 * ``placement[s]`` is the rank holding stage ``s``: standard ``s`` (v = 1), interleaved
@@ -41,140 +42,44 @@ defers its ``W`` by ``p-1`` micro-batches, every rank reaches ``p`` (1F1B: ``p-r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from jaxpar.pipeline.generators import (
-    KINDS,
-    V_SHAPED,
-    Key,
-    Step,
-    check_arguments,
-    generator,
-    placement_for,
-)
-
-if TYPE_CHECKING:
-    import numpy as np
-
-    from jaxpar.pipeline.timing import ScheduleStats
+from jaxpar.pipeline.generators import KINDS, V_SHAPED, check_arguments, generator, placement_for
+from jaxpar.pipeline.types import Action, Cell, Kind, Schedule, ScheduleError, Step
 
 __all__ = [
-    "KINDS", "V_SHAPED", "Action", "Cell", "Schedule", "ScheduleError", "Step", "make_schedule",
-    "validate",
+    "KINDS", "V_SHAPED", "Action", "Cell", "Kind", "Schedule", "ScheduleError", "Step",
+    "forward_schedule", "lockstep", "make_schedule", "validate",
 ]  # fmt: skip
 
-ACTION_KINDS = ("F", "B", "I", "W")
+
+_SENDS_DX = (Kind.B, Kind.I)  # the backward pieces that send the stage's input cotangent
+_F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
+_new = tuple.__new__
 
 
-class ScheduleError(ValueError):
-    """A schedule table breaks a rule (a bug in a generator, or a hand-made table)."""
+def backward_kind(orders: Sequence[Sequence[Action]]) -> dict[tuple[int, int], Kind]:
+    """For each (stage, mb), the action that sends its input cotangent: ``B`` or ``I``."""
+    return {(a.stage, a.mb): a.kind for row in orders for a in row if a.kind in _SENDS_DX}
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One unit of pipeline work: ``kind`` of global virtual ``stage`` on micro-batch ``mb``."""
-
-    kind: str
-    stage: int
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.stage}.{self.mb}"
-
-    @staticmethod
-    def parse(text: str) -> Action:
-        """Inverse of ``str``: ``"I3.5"`` -> ``Action("I", 3, 5)``."""
-        stage, mb = text[1:].split(".")
-        return Action(text[0], int(stage), int(mb))
-
-
-Cell = tuple[Action, ...]  # one rank's work in one tick: (), (a,), (F, backward), (backward, F)
-
-
-@dataclass
-class Schedule:
-    """A pipeline schedule: placement, per-rank steps (fused ticks) and the lock-step table."""
-
-    kind: str
-    p: int
-    m: int
-    v: int
-    placement: tuple[int, ...]  # global stage -> rank
-    steps: tuple[tuple[Cell, ...], ...]  # per rank, in execution order
-    ticks: tuple[tuple[Cell, ...], ...] = field(default=())  # [rank][tick]
-    memory: str = "fast"  # "fast" or "lean" (see the generators module)
-
-    @property
-    def orders(self) -> tuple[tuple[Action, ...], ...]:
-        """Per rank, the actions in execution order (the steps flattened)."""
-        return tuple(tuple(a for step in row for a in step) for row in self.steps)
-
-    @property
-    def num_stages(self) -> int:
-        """Global virtual stages ``p * v``."""
-        return self.p * self.v
-
-    @property
-    def num_ticks(self) -> int:
-        """Length of the lock-step table."""
-        return len(self.ticks[0]) if self.ticks else 0
-
-    def stages_of(self, rank: int) -> list[int]:
-        """Stages held by ``rank``, ascending; a stage's index here is its local chunk."""
-        return [s for s, r in enumerate(self.placement) if r == rank]
-
-    def chunk_of(self, stage: int) -> int:
-        """Local chunk index of ``stage`` on its rank."""
-        return self.stages_of(self.placement[stage]).index(stage)
-
-    def tick_of(self) -> dict[Key, int]:
-        """Tick at which each action runs in the lock-step table."""
-        return {
-            (a.kind, a.stage, a.mb): t
-            for row in self.ticks
-            for t, cell in enumerate(row)
-            for a in cell
-        }
-
-    def as_arrays(self) -> dict[str, np.ndarray]:
-        """Integer arrays for the executor; see :func:`jaxpar.pipeline.tables.as_arrays`."""
-        from jaxpar.pipeline.tables import as_arrays
-
-        return as_arrays(self)
-
-    def stats(self, **costs: float) -> ScheduleStats:
-        """Timing statistics; see :func:`jaxpar.pipeline.timing.stats`."""
-        from jaxpar.pipeline.timing import stats
-
-        return stats(self, **costs)
-
-
-def backward_kind(orders: Sequence[Sequence[Action]]) -> dict[tuple[int, int], str]:
-    """For each (stage, mb), the action that sends its input cotangent: ``"B"`` or ``"I"``."""
-    return {(a.stage, a.mb): a.kind for row in orders for a in row if a.kind in ("B", "I")}
-
-
-def dependencies(a: Action, num_stages: int, bwd: dict[tuple[int, int], str]) -> list[Key]:
+def dependencies(a: Action, num_stages: int, bwd: dict[tuple[int, int], Kind]) -> list[Action]:
     """Actions that must finish before ``a`` may start (data and same-micro-batch order)."""
-    if a.kind == "F":
-        return [("F", a.stage - 1, a.mb)] if a.stage > 0 else []
-    if a.kind == "W":
-        return [("I", a.stage, a.mb)]
-    deps: list[Key] = [("F", a.stage, a.mb)]
-    if a.stage < num_stages - 1:
-        deps.append((bwd.get((a.stage + 1, a.mb), "B"), a.stage + 1, a.mb))
+    kind, s, j = a
+    # Built with tuple.__new__ (see Action.of): this runs for every action of every walk.
+    if kind == _F:
+        return [_new(Action, (_F, s - 1, j))] if s > 0 else []
+    if kind == _W:
+        return [_new(Action, (_I, s, j))]
+    deps = [_new(Action, (_F, s, j))]
+    if s < num_stages - 1:
+        deps.append(_new(Action, (bwd.get((s + 1, j), _B), s + 1, j)))
     return deps
-
-
-def _key(a: Action) -> Key:
-    return (a.kind, a.stage, a.mb)
 
 
 def check_cell(cell: Sequence[Action], where: str) -> None:
     """A tick's work on one rank: one action, or one forward and one backward piece in either
     order (whether the order respects the dependencies is :func:`validate`'s check)."""
-    kinds = sorted(a.kind == "F" for a in cell)
+    kinds = sorted(a.kind == Kind.F for a in cell)
     if len(cell) > 2 or (len(cell) == 2 and kinds != [False, True]):
         raise ScheduleError(
             f"{where}: a tick holds one action or a forward and a backward, not "
@@ -190,7 +95,7 @@ def lockstep(steps: Sequence[Sequence[Cell]], num_stages: int) -> list[list[Cell
     """
     p = len(steps)
     bwd = backward_kind([[a for st in row for a in st] for row in steps])
-    done: dict[Key, int] = {}
+    done: dict[Action, int] = {}
     ptr, rows = [0] * p, [[] for _ in range(p)]  # type: list[int], list[list[Cell]]
     remaining, t = sum(len(o) for o in steps), 0
     while remaining:
@@ -199,7 +104,7 @@ def lockstep(steps: Sequence[Sequence[Cell]], num_stages: int) -> list[list[Cell
             if ptr[r] < len(steps[r]):
                 step = steps[r][ptr[r]]
                 deps = [d for i, a in enumerate(step) for d in dependencies(a, num_stages, bwd)
-                        if d not in {_key(b) for b in step[:i]}]  # fmt: skip
+                        if d not in step[:i]]  # fmt: skip
                 if all(done.get(d, t) < t for d in deps):
                     ready.append((r, tuple(step)))
         if not ready:
@@ -212,7 +117,7 @@ def lockstep(steps: Sequence[Sequence[Cell]], num_stages: int) -> list[list[Cell
         for r, step in ready:
             rows[r][t] = step
             for a in step:
-                done[_key(a)] = t
+                done[a] = t
             ptr[r] += 1
         remaining -= len(ready)
         t += 1
@@ -235,20 +140,19 @@ def validate(schedule: Schedule) -> None:
             if not step:
                 raise ScheduleError(f"rank {r}: an empty step")
             check_cell(step, f"rank {r}")
-    seen: dict[Key, int] = {}
+    seen: dict[Action, int] = {}
     for r, row in enumerate(schedule.orders):
         for a in row:
-            key = (a.kind, a.stage, a.mb)
-            if a.kind not in ACTION_KINDS or not (0 <= a.stage < s_count and 0 <= a.mb < m):
+            if not (0 <= a.stage < s_count and 0 <= a.mb < m):
                 raise ScheduleError(f"rank {r}: action {a} is out of range")
             if schedule.placement[a.stage] != r:
                 raise ScheduleError(f"rank {r}: {a} belongs to rank {schedule.placement[a.stage]}")
-            if key in seen:
+            if a in seen:
                 raise ScheduleError(f"action {a} appears twice")
-            seen[key] = r
+            seen[a] = r
     for s in range(s_count):
         for j in range(m):
-            has = {k for k in ACTION_KINDS if (k, s, j) in seen}
+            has = {str(k) for k in Kind if Action(k, s, j) in seen}
             if has not in ({"F", "B"}, {"F", "I", "W"}):
                 raise ScheduleError(
                     f"stage {s} micro-batch {j}: has {sorted(has)}, needs F and B, or F, I and W"
@@ -264,12 +168,10 @@ def validate(schedule: Schedule) -> None:
         for t, cell in enumerate(row):
             check_cell(cell, f"tick {t} rank {r}")
             for i, a in enumerate(cell):
-                same = {_key(b) for b in cell[:i]}  # run before it in this tick, same rank
+                same = cell[:i]  # run before it in this tick, same rank
                 for d in dependencies(a, s_count, bwd):
                     if tick[d] > t or (tick[d] == t and d not in same):
-                        raise ScheduleError(
-                            f"{a} at tick {t} needs {Action(*d)} earlier (tick {tick[d]})"
-                        )
+                        raise ScheduleError(f"{a} at tick {t} needs {d} earlier (tick {tick[d]})")
 
 
 def make_schedule(
@@ -283,11 +185,17 @@ def make_schedule(
     schedule does not support.
     """
     v = check_arguments(kind, p, m, v, memory)
-    steps = tuple(
-        tuple(tuple(Action(*key) for key in step) for step in row)
-        for row in generator(kind, memory)(p, m, v)
-    )
+    steps = tuple(tuple(tuple(step) for step in row) for row in generator(kind, memory)(p, m, v))
     sched = Schedule(kind, p, m, v, placement_for(kind, p, v), steps, memory=memory)
     sched.ticks = tuple(map(tuple, lockstep(sched.steps, sched.num_stages)))
     validate(sched)
     return sched
+
+
+def forward_schedule(schedule: Schedule) -> Schedule:
+    """The forwards of ``schedule`` alone, same placement and order (evaluation)."""
+    steps = tuple(tuple((a,) for a in row if a.kind == Kind.F) for row in schedule.orders)
+    out = Schedule(f"{schedule.kind}-forward", schedule.p, schedule.m, schedule.v,
+                   schedule.placement, steps, memory=schedule.memory)  # fmt: skip
+    out.ticks = tuple(map(tuple, lockstep(out.steps, out.num_stages)))
+    return out

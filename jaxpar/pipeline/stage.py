@@ -19,6 +19,24 @@ each weight matmul's activation operand (the *taps*, a buffer of their own); ``I
 input cotangent and files each weight matmul's output cotangent (``dys``) for ``W``, which is
 then the weight matmuls alone. A full ``B`` of such a schedule is ``I`` followed by ``W``.
 Under recompute ``I`` re-runs the forward and files the taps with the ``dys``.
+
+**The stage interface** (what a layer must satisfy to run inside a stage; a MoE layer too):
+
+* :attr:`StagePieces.layer` is a pure function ``(layer params, x) -> y`` of one layer with
+  ``y`` shaped like ``x`` and fixed shapes (a capacity-padded MoE dispatch, not a data-dependent
+  one): the stash buffers are sized once per trace from its VJP's residuals. The executor scans
+  it over the chunk's ``[Lc, ...]`` layers and differentiates it with ``jax.vjp``.
+* Split schedules (``I``/``W``) defer only a layer's top-level ``dot_general`` weight matmuls to
+  ``W`` (:mod:`jaxpar.pipeline.split`); anything else (a ``ragged_dot``, a nested ``jit``) keeps
+  its weight gradient in ``I``: correct, only less deferred.
+* It may run collectives over the automatic axes (tp, sp, an expert axis); ``pp`` and the dp
+  axes are manual around it and belong to the executor and the reduction. In a fused tick the
+  backward of one micro-batch and then the forward of another run on every rank, all of the
+  backward's collectives issued before any of the forward's (the executor's barrier), so a
+  layer's collectives meet in one order on every device: what DualPipeV-style ticks that
+  overlap one micro-batch's forward with another's backward need.
+* It returns no auxiliary output: a MoE auxiliary loss needs a new field beside ``y`` (summed
+  into the tick's loss as the head's is); a routing bias updated from the load needs none.
 """
 
 from __future__ import annotations

@@ -25,14 +25,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from jaxpar.pipeline.schedules import (
-    Action,
-    Key,
-    Schedule,
-    ScheduleError,
-    backward_kind,
-    dependencies,
-)
+from jaxpar.pipeline.schedules import backward_kind, dependencies
+from jaxpar.pipeline.types import Action, Kind, Schedule, ScheduleError
 
 
 @dataclass(frozen=True)
@@ -63,11 +57,13 @@ def action_costs(
     return {k: c / schedule.v for k, c in (("F", f), ("B", b), ("I", i), ("W", w))}
 
 
-def simulate_async(schedule: Schedule, costs: dict[str, float]) -> dict[Key, tuple[float, float]]:
+def simulate_async(
+    schedule: Schedule, costs: dict[str, float]
+) -> dict[Action, tuple[float, float]]:
     """Event-driven timing: ``(start, end)`` of every action, ranks in their own order."""
     orders, p = schedule.orders, schedule.p
     bwd = backward_kind(orders)
-    times: dict[Key, tuple[float, float]] = {}
+    times: dict[Action, tuple[float, float]] = {}
     ptr, free = [0] * p, [0.0] * p
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -82,7 +78,7 @@ def simulate_async(schedule: Schedule, costs: dict[str, float]) -> dict[Key, tup
                     break
                 start = max([free[r]] + [times[d][1] for d in deps])
                 free[r] = start + costs[a.kind]
-                times[(a.kind, a.stage, a.mb)] = (start, free[r])
+                times[a] = (start, free[r])
                 ptr[r] += 1
                 remaining -= 1
                 progressed = True
@@ -110,10 +106,10 @@ def _peaks(rows, schedule: Schedule) -> list[int]:
     for row in rows:
         live = peak = 0
         for a in row:
-            if a.kind == "F":
+            if a.kind == Kind.F:
                 live += 1
             peak = max(peak, live)
-            if a.kind == "W" or (a.kind == "B" and bwd[(a.stage, a.mb)] == "B"):
+            if a.kind == Kind.W or (a.kind == Kind.B and bwd[(a.stage, a.mb)] == Kind.B):
                 live -= 1
         peaks.append(peak)
     return peaks
@@ -129,8 +125,8 @@ def stats(
     makespan = max(end for _, end in times.values())
     firsts, spans = [], []
     for r, row in enumerate(schedule.orders):
-        first = times[_key(row[0])][0]
-        last = times[_key(row[-1])][1]
+        first = times[row[0]][0]
+        last = times[row[-1]][1]
         firsts.append(first)
         spans.append(1.0 - busy[r] / (last - first))
     tick_len = [
@@ -151,7 +147,3 @@ def stats(
         peak_inflight=peak_inflight(schedule),
         peak_stashes=peak_stashes(schedule),
     )
-
-
-def _key(a: Action) -> Key:
-    return (a.kind, a.stage, a.mb)

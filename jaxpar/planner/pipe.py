@@ -74,16 +74,17 @@ def _table(kind: str, p: int, m: int, v: int, memory: str) -> tuple:
     import numpy as np
 
     from jaxpar.pipeline.schedules import make_schedule
-    from jaxpar.pipeline.tables import SEND_LOCAL, SEND_NONE
+    from jaxpar.pipeline.tables import SEND_LOCAL, SEND_NONE, build_table
+    from jaxpar.pipeline.timing import stats
 
     sched = make_schedule(kind, p, m, v, memory)
-    arrays = sched.as_arrays()
+    table = build_table(sched)
     remote = sum(
-        ((arrays[k] != SEND_NONE) & (arrays[k] != SEND_LOCAL)).sum(axis=0)
-        for k in ("f_send", "b_send")
+        ((sends != SEND_NONE) & (sends != SEND_LOCAL)).sum(axis=0)
+        for sends in (table.f_send, table.b_send)
     )
-    slots = tuple(int(arrays[f"n_{b}_slots"]) for b in ("act", "grad", "cot"))
-    st = sched.stats()
+    slots = (table.slots.act, table.slots.grad, table.slots.cot)
+    st = stats(sched)
     # Lock-step peaks: what the executor holds (the memory mode's table: lean caps them).
     return sched, st.lockstep_ticks, int(np.max(remote)), tuple(st.peak_stashes), slots
 
@@ -91,8 +92,10 @@ def _table(kind: str, p: int, m: int, v: int, memory: str) -> tuple:
 @lru_cache(maxsize=8192)
 def _measure(kind: str, p: int, m: int, v: int, costs: ActionCosts, lockstep: bool,
              memory: str) -> tuple:  # fmt: skip
+    from jaxpar.pipeline.timing import stats
+
     sched, ticks, sends, peaks, slots = _table(kind, p, m, v, memory)
-    st = sched.stats(f=1.0, b=costs.b, i=costs.i, w=costs.w)
+    st = stats(sched, f=1.0, b=costs.b, i=costs.i, w=costs.w)
     makespan = st.lockstep_makespan if lockstep else st.makespan
     return makespan, st.busy_per_rank, ticks, sends, peaks, slots
 

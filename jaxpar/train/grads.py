@@ -10,14 +10,12 @@ accumulates it over micro-batches (or the pipeline executor accumulates it over 
 See :mod:`jaxpar.train.reduce` for the collectives and why this form rather than ``unreduced``
 partition specs.
 
-The gradient function needs only a narrow :class:`GradContext` (model, rules, reduction, remat,
-dtypes), not the trainer.
+The gradient function needs only a narrow :class:`~jaxpar.train.context.GradContext` (model,
+rules, reduction, remat, dtypes), not the trainer.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -25,98 +23,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import sharding as shd
-from jaxpar.config import LayoutConfig
-from jaxpar.model import Model
-from jaxpar.model.llama import Hooks
-from jaxpar.train.reduce import DPReduction
-from jaxpar.train.remat import Remat, remat_of
-
-
-def microbatch_split(x_BxT: jax.Array, k: int) -> jax.Array:
-    """``[B, ...] -> [k, B/k, ...]`` without gathering a dp-sharded batch.
-
-    Reshaping to ``[B/k, k, ...]`` keeps each device's rows contiguous on the leading dimension;
-    swapping axes then gives micro-batch ``j`` = rows ``{i·k + j}``, each device still holding
-    its share. A direct reshape to ``[k, B/k]`` would all-gather the batch.
-    """
-    b = x_BxT.shape[0]
-    return jnp.swapaxes(x_BxT.reshape(b // k, k, *x_BxT.shape[1:]), 0, 1)
-
-
-@dataclass(frozen=True)
-class GradContext:
-    """What computing gradients needs to know about a run."""
-
-    model: Model
-    layout: LayoutConfig
-    rules: shd.Rules  # the layout's rules (outside the manual region)
-    reduction: DPReduction
-    abstract: Any  # ShapeDtypeStructs of the params (parameter dtype)
-    compute_dtype: Any
-
-    @property
-    def remat(self) -> Remat:
-        """The layout's remat setting."""
-        return remat_of(self.layout.remat)
-
-    @property
-    def manual_axes(self) -> tuple[str, ...]:
-        """Mesh axes manual inside the region: dp axes, and ``pp`` with a pipeline."""
-        return (("pp",) if self.layout.pp > 1 else ()) + self.reduction.axes
-
-    def inner_rules(self) -> shd.Rules:
-        """The rules inside the region: manual axes are gone from every constraint (the batch
-        rows and, with a pipeline, the layer stack are already local)."""
-        manual = set(self.manual_axes)
-        table = tuple(
-            (name, tuple(a for a in axes if a not in manual)) for name, axes in self.rules.table
-        )
-        return dataclasses.replace(self.rules, table=table)
-
-    def constrain_grads(self, g: Any, lead: int = 0) -> Any:
-        """Pin gradients inside the region to their parameters' tp/sp shardings.
-
-        Without it XLA's partitioner leaves many weight gradients replicated over ``tp``
-        inside the manual-dp region and slices them only after the dp reduction (measured:
-        reduce-scatters of full-width [D, F] gradients, 1.5x the stage's dp bytes at dp 4 x
-        tp 2). ``lead``: leading dims of the pipeline's arranged layer stack.
-        """
-        inner = self.inner_rules()
-        logical = self.model.logical_axes()
-
-        def one(ax, x):
-            spec = inner.spec(ax)
-            pad = [None] * (x.ndim - len(ax))
-            return jax.lax.with_sharding_constraint(x, P(*pad, *spec))
-
-        return jax.tree.map(one, logical, g, is_leaf=lambda x: isinstance(x, tuple))
-
-    def hooks(self, stage_recompute: bool = False) -> Hooks:
-        """The layout's hooks into the model's forward (remat, ZeRO-3 gathers).
-
-        ``stage_recompute``: the pipeline recomputes whole stages under ``remat full``; the
-        layers inside then run without a checkpoint of their own (ZeRO-3 still must not keep
-        gathered weights, which the ``none`` policy guarantees).
-        """
-        red, dims = self.reduction, self.reduction.dims
-        remat = remat_of("none") if stage_recompute else self.remat
-        if red.stage < 3:
-            return Hooks(layer=remat.wrap())
-
-        def head(fn):
-            def gathered(hp, x, targets):
-                sub = {k: dims[k] for k in hp}
-                return fn(red.gather(hp, sub, {k: red.auto_specs[k] for k in hp}), x, targets)
-
-            return jax.checkpoint(gathered, prevent_cse=False, policy=remat_of("none").policy(True))
-
-        return Hooks(
-            layer=remat.wrap(
-                pre=lambda lp: red.gather(lp, dims["layers"], red.auto_specs["layers"], shift=1)
-            ),
-            embed=lambda ep: red.gather(ep, dims["embed"], red.auto_specs["embed"]),
-            head=head,
-        )
+from jaxpar.train.context import GradContext, microbatch_split
+from jaxpar.train.pipeline_run import PipelineRun
 
 
 def _local_accumulate(ctx: GradContext, params: Any, tokens_BxS, targets_BxS):
@@ -162,8 +70,6 @@ def mean_loss(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> jax.Array:
     """
     if ctx.layout.pp <= 1:
         return ctx.model.loss(params, batch_BxT[:, :-1], batch_BxT[:, 1:], ctx.compute_dtype)
-    from jaxpar.pipeline.grads import PipelineRun  # noqa: PLC0415  (pipeline imports us)
-
     run = PipelineRun(ctx, forward_only=True)
     ndims = jax.tree.map(lambda a: a.ndim, ctx.abstract)
     lead, ndims = run.lead_specs(ndims), run.arranged_ndims(ndims)
@@ -194,8 +100,6 @@ def loss_and_grads(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> tuple
     lead = jax.tree.map(lambda _: (), ndims)
     run = None
     if ctx.layout.pp > 1:
-        from jaxpar.pipeline.grads import PipelineRun  # noqa: PLC0415  (pipeline imports us)
-
         run = PipelineRun(ctx)
         ctx, params = run.ctx, run.arrange(params)
         lead, ndims = run.lead_specs(ndims), run.arranged_ndims(ndims)

@@ -1,5 +1,8 @@
 """The pipeline's part of the one gradient path (:mod:`jaxpar.train.grads`, ``layout.pp > 1``).
 
+It adapts the run (:class:`~jaxpar.train.context.GradContext`: model, layout hooks, ZeRO
+reduction) to the pipeline package's executor, which knows nothing of training.
+
 :func:`jaxpar.train.grads.loss_and_grads` runs every layout inside one ``shard_map`` manual over
 the dp axes; with a pipeline it is manual over ``pp`` too and calls :meth:`PipelineRun.local`
 on each rank: the schedule (:func:`jaxpar.pipeline.executor.run_local`) with the model's own
@@ -21,30 +24,29 @@ from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline.executor import PipelineModel, Plan, run_local
+from jaxpar.pipeline.executor import PipelineModel, run_local
 from jaxpar.pipeline.rest import RestLayout
 from jaxpar.pipeline.stage import StagePieces
+from jaxpar.pipeline.step_tables import StepTables
+from jaxpar.train.context import GradContext, microbatch_split
+from jaxpar.train.reduce import DPReduction
 from jaxpar.train.remat import remat_of
-
-if TYPE_CHECKING:
-    from jaxpar.train.grads import GradContext
-    from jaxpar.train.reduce import DPReduction
 
 ARRANGED_LEAD = 2  # [L, ...] -> [p, v, L/(p·v), ...]: two more leading dims
 
 
 @lru_cache(maxsize=16)
-def plan_for(kind: str, p: int, m: int, v: int, n_layers: int, forward_only=False,
-             memory: str = "fast") -> Plan:  # fmt: skip
-    """The (cached) plan of a layout's schedule (``forward_only``: its forwards alone)."""
-    return Plan.make(kind, p, m, v, n_layers, forward_only, memory)
+def tables_for(kind: str, p: int, m: int, v: int, n_layers: int, forward_only=False,
+               memory: str = "fast") -> StepTables:  # fmt: skip
+    """The (cached) executor tables of a layout's schedule (``forward_only``: its forwards)."""
+    return StepTables.make(kind, p, m, v, n_layers, forward_only, memory)
 
 
 class PipelineRun:
@@ -57,25 +59,25 @@ class PipelineRun:
         # Inside the region the hooks (ZeRO-3 gathers, ZeRO-2 scatters) see an owned leaf's
         # slot, one dim fewer than at rest.
         self.ctx = dataclasses.replace(ctx, reduction=self._slot_reduction(ctx.reduction))
-        self.plan = plan_for(lay.schedule, lay.pp, lay.microbatches, lay.virtual,
-                             ctx.model.cfg.n_layers, forward_only,
-                             lay.pipeline_memory)  # fmt: skip
+        self.tables = tables_for(lay.schedule, lay.pp, lay.microbatches, lay.virtual,
+                                 ctx.model.cfg.n_layers, forward_only,
+                                 lay.pipeline_memory)  # fmt: skip
 
     # ---- outside the region (GSPMD) --------------------------------------------------------
 
     def arrange(self, params: Any) -> Any:
         """Params with the layer stack as ``[p, v, L/(p·v), ...]``: a reshape (at rest the
         stack is in placement order already)."""
-        s = self.plan.schedule
+        s = self.tables.schedule
 
         def one(a):
-            return a.reshape(s.p, s.v, self.plan.per_chunk, *a.shape[1:])
+            return a.reshape(s.p, s.v, self.tables.per_chunk, *a.shape[1:])
 
         return dict(params, layers=jax.tree.map(one, params["layers"]))
 
     def unarrange(self, grads: Any) -> Any:
         """Inverse of :meth:`arrange` for the gradients."""
-        flat = lambda g: g.reshape(self.plan.n_layers, *g.shape[3:])  # noqa: E731
+        flat = lambda g: g.reshape(self.tables.n_layers, *g.shape[3:])  # noqa: E731
         return dict(grads, layers=jax.tree.map(flat, grads["layers"]))
 
     def lead_specs(self, ndims: Any) -> Any:
@@ -129,8 +131,7 @@ class PipelineRun:
         # A layer never keeps a weight for its backward (not even a cast or fused copy): the
         # stash holds activations only. Recomputed stages run their layers unchecked.
         policy = remat_of("none" if recompute else remat.name).policy(zero3=True)
-        split = any(a.kind == "I" for row in self.plan.schedule.orders for a in row)
-        pieces = StagePieces(layer, policy, recompute, split)
+        pieces = StagePieces(layer, policy, recompute, self.tables.split_backward)
         return PipelineModel(pieces, embed, head_loss, self._reducers())
 
     def _reducers(self) -> tuple:
@@ -178,13 +179,11 @@ class PipelineRun:
         return self._run(params, tokens_BxS, targets_BxS)
 
     def _run(self, params: Any, tokens_BxS: jax.Array, targets_BxS: jax.Array):
-        """:func:`run_local` of this step's plan on this rank's rows, in micro-batches."""
-        from jaxpar.train.grads import microbatch_split  # noqa: PLC0415
-
+        """:func:`run_local` of this step's tables on this rank's rows, in micro-batches."""
         m = self.ctx.layout.microbatches
         local, embed_p, head_p = self._split_params(params)
         return run_local(
-            self.plan,
+            self.tables,
             self.pieces_for(np.arange(tokens_BxS.shape[1])),  # static: constant rotary tables
             local,
             embed_p,

@@ -1,0 +1,166 @@
+"""The executor's typed state: the scan's carry, each phase's outputs, and slot operations.
+
+Every type here is a pytree (a dataclass registered with ``jax.tree_util``) whose optional
+fields are ``None`` where the table never needs them (evaluation, a table without ``FB`` or
+without loss-cotangent slots): ``None`` is an empty subtree, so a ``lax.switch``'s branches
+all return one structure. Buffers lead with their slot axis
+(:class:`~jaxpar.pipeline.tables.SlotCounts`); the slot operations below read and write one
+slot in place, so a tick never copies a buffer it does not touch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.pipeline.tables import TickTable
+
+Leaves = list[jax.Array]
+
+
+def _pytree(cls, order: str = "sorted"):
+    """Register dataclass ``cls`` as a pytree; leaves flatten in field-name order (the order a
+    dict of the same keys flattens in: the compiled program's operands keep their order)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    jax.tree_util.register_dataclass(cls, sorted(names) if order == "sorted" else names, [])
+    return cls
+
+
+@_pytree
+@dataclass(frozen=True)
+class Carry:
+    """The scan's state on one rank. Buffers lead with their slot axis (``TickTable.slots``)."""
+
+    act: jax.Array  # [act slots, *message] received activations
+    loss: jax.Array  # () this rank's sum of micro-batch losses (each already / m)
+    # Training only (None in evaluation):
+    grad: jax.Array | None = None  # [grad slots, *message] received cotangents
+    stash: Leaves | None = None  # per stash leaf [stash slots, ...]
+    taps: Leaves | None = None  # per tap leaf [taps slots, ...] (split backward)
+    wpend: Leaves | None = None  # per dys (recompute: and tap) leaf [dys slots, ...], I to W
+    cot: jax.Array | None = None  # [cot slots, *message]; None also when the table has none
+    acc: Any = None  # chunk-gradient tree [v, Lc, ...]
+    acc_embed: Any = None  # embedding gradient (nonzero on stage 0's rank)
+    acc_head: Any = None  # head gradient (nonzero on the last stage's rank)
+
+
+@_pytree
+@dataclass(frozen=True)
+class ForwardOut:
+    """What the forward phase returns (every branch the same structure)."""
+
+    y: jax.Array  # the activation to send
+    loss: jax.Array  # the head's loss (last stage), else 0
+    stash: Leaves  # what the backward needs ([] in evaluation)
+    taps: Leaves  # split backward: the weight matmuls' activation operands
+    cot: jax.Array | None  # the head's output cotangent; None when the table has no cot slots
+    d_head: Any  # the head's gradient; None unless a plain F runs the head in training
+
+
+@_pytree
+@dataclass(frozen=True)
+class BackwardOut:
+    """What the backward phase returns (every branch the same structure)."""
+
+    dx: jax.Array  # the input cotangent to send
+    d_chunk: Any  # this tick's chunk gradient (reduced per micro-batch)
+    d_embed: Any  # the embedding's gradient (stage 0), else zeros
+    wpend: Leaves  # what an I files for its W
+    loss: jax.Array | None  # FB's loss; None when the table has no FB
+    d_head: Any  # FB's head gradient; None when the table has no FB
+
+
+@_pytree
+@dataclass(frozen=True)
+class BackwardIn:
+    """The backward switch's operands: the buffers enter whole and read-only."""
+
+    g: jax.Array  # the output cotangent (from the grad or cot buffer)
+    stash: Leaves
+    taps: Leaves
+    wpend: Leaves
+    x: jax.Array | None  # FB's input activation; None when the table has no FB
+
+
+@_pytree
+@dataclass(frozen=True)
+class TickIn:
+    """One tick's scanned input on one rank: its table row and each send route's choice."""
+
+    row: TickTable
+    send_index: tuple[jax.Array, ...]
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """This rank's parameters: its ``[v, Lc, ...]`` layers, the embedding's and the head's."""
+
+    local: Any
+    embed: Any
+    head: Any
+
+
+_pytree(StageParams, order="declared")  # the order the barrier in _behind has always had
+# The table's rows are scanned as they are: its arrays are the leaves, the slot counts static.
+jax.tree_util.register_dataclass(
+    TickTable, sorted(TickTable.__dataclass_fields__.keys() - {"slots"}), ["slots"]
+)
+
+
+def slot(buf: jax.Array, k: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(k, 0), keepdims=False)
+
+
+def write_if(buf: jax.Array, k: jax.Array, value: jax.Array) -> jax.Array:
+    """``buf[k] = value`` when ``k >= 0``; a dynamic-update-slice of one slot either way (it
+    rewrites the slot's own contents when masked off: no select over the buffer)."""
+    i = jnp.maximum(k, 0)
+    new = jnp.where(k >= 0, value.astype(buf.dtype), slot(buf, i))
+    return jax.lax.dynamic_update_index_in_dim(buf, new, i, 0)
+
+
+def write_all(bufs: Leaves, k: jax.Array, values: Leaves) -> Leaves:
+    return [write_if(b, k, x) for b, x in zip(bufs, values, strict=True)]
+
+
+def file_arrivals(buf: jax.Array, used: np.ndarray, slots: jax.Array, arrivals: dict) -> jax.Array:
+    """This tick's arrivals (per receive channel) into their slots ``slots[channel]``; a channel
+    the table never uses (by ``used``, its ``[T, P, 3]`` receive field) writes nothing."""
+    for ch, value in arrivals.items():
+        if np.any(used[:, :, ch] >= 0):
+            buf = write_if(buf, slots[ch], value)
+    return buf
+
+
+def read_slots(ins: BackwardIn, row: TickTable) -> BackwardIn:
+    """The backward's slots of the stash, taps and dys buffers, read inside the branch (the
+    buffers enter the switch read-only: no slot-sized copy is made before it)."""
+    return dataclasses.replace(
+        ins,
+        stash=[slot(b, row.b_stash) for b in ins.stash],
+        taps=[slot(b, row.b_taps) for b in ins.taps],
+        wpend=[slot(b, row.b_dys) for b in ins.wpend],
+    )
+
+
+def zero_after(x: jax.Array) -> jax.Array:
+    """An int32 zero that data-depends on ``x`` (``0·x`` is not folded for floats, and a
+    non-finite ``x`` converts to 0 too)."""
+    return (jnp.ravel(x)[0] * 0).astype(jnp.int32)
+
+
+def zeros(shapes) -> Leaves:
+    return [jnp.zeros(s.shape, s.dtype) for s in shapes]
+
+
+def accumulate(acc: Any, chunk: jax.Array, d: Any, v: int) -> Any:
+    """Add this tick's chunk gradient (of its B, I, W or FB) to local chunk ``chunk``'s."""
+    if v == 1:
+        return jax.tree.map(lambda a, x: a + x[None].astype(a.dtype), acc, d)
+    c = jnp.maximum(chunk, 0)
+    return jax.tree.map(lambda a, x: a.at[c].add(x.astype(a.dtype)), acc, d)
