@@ -176,7 +176,7 @@ def memory_section(mem: dict) -> list[str]:
     L = ["## Planner memory vs compiled memory (simulated CPU devices)", "",
          "`python scripts/bench_planner_memory.py`: the test model (4 layers, d 64, 4/2 heads, "
          "batch 16 × 32, fp32); measured = XLA's compiled per-device total (arguments + outputs "
-         "− aliased + temporaries); predicted = `jaxpar.planner.memory.memory`. The XLA "
+         "− aliased + temporaries); predicted = `jaxpar.planner.footprint.memory`. The XLA "
          "constants were fitted on one-device compiles (`--calibrate`; its base compile is the "
          "dp=1 row), the pp 2 × 1F1B row set `Executor.tick_stashes`: these two rows are marked "
          "*calibration* and not counted.", "",

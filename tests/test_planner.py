@@ -19,8 +19,8 @@ from jaxpar.analysis.hlo import compiled_memory
 from jaxpar.cli import main
 from jaxpar.devices import make_mesh
 from jaxpar.planner import cost_layout, plan
+from jaxpar.planner import footprint as M
 from jaxpar.planner import hardware as HW
-from jaxpar.planner import memory as M
 from jaxpar.planner import search as S
 from jaxpar.planner.activations import block_residuals
 from jaxpar.planner.cost import action_costs

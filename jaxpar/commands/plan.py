@@ -47,6 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="cost the mesh file's own layout instead of searching",
     )
+    p.add_argument(
+        "--emit-flags",
+        type=K.positive_int,
+        default=None,
+        metavar="N",
+        help="print the `jaxpar train` flags of ranked layout N (1 = the recommendation) and "
+        "nothing else: jaxpar plan ... --emit-flags 1 | xargs jaxpar train --dry-run",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -74,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None:
         C.override(cfg, "mesh.devices", args.devices)
     V.check_values(cfg)  # model, hardware and batch figures, before any search
+    if args.emit_flags is not None:
+        from jaxpar.planner.auto import train_flags
+
+        print(" ".join(train_flags(cfg, args.emit_flags, args.model, args.mesh)))
+        return 0
     given = [n for n in LAYOUT_FLAGS if getattr(args, n) is not None]
     if args.sequence_parallel:
         given.append("sequence_parallel")
@@ -89,7 +102,10 @@ def run(args: argparse.Namespace) -> int:
             from jaxpar.errors import ConfigError
 
             raise ConfigError(f"--top {args.top}: must be >= 0")
-        result = plan(cfg, top=args.top)
+        stated = {"global_batch": args.global_batch, "seq_len": args.seq}
+        result = plan(
+            cfg, top=args.top, given={k: "command line" for k, v in stated.items() if v is not None}
+        )
     if args.json:
         print(result["headline"])
         emit_json({k: v for k, v in result.items() if k != "headline"})

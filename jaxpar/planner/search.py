@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from jaxpar import validation as V
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.errors import ConfigError
-from jaxpar.planner import memory as M
+from jaxpar.planner import footprint as M
 from jaxpar.planner.cost import Cost, step_cost
-from jaxpar.planner.executor import JAXPAR, Executor, for_model
+from jaxpar.planner.frameworks import JAXPAR, Executor, for_model
 
 HEADROOM = 0.92  # share of device memory a layout may use (runtime, fragmentation, NCCL buffers)
 MAX_MB_TOKENS = 65536  # past this many tokens per micro-batch, matmul efficiency is saturated

@@ -36,8 +36,8 @@ from jaxpar.analysis import theory as T
 from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import LayoutConfig, ModelConfig
 from jaxpar.planner.activations import kv_heads_local
-from jaxpar.planner.memory import Shape
 from jaxpar.planner.shapes import param_counts
+from jaxpar.planner.workload import Shape
 
 ring = T.ring_factor
 

@@ -32,14 +32,17 @@ on.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import LayoutConfig, ModelConfig
 from jaxpar.planner.activations import block_residuals
-from jaxpar.planner.executor import JAXPAR, Executor, for_model
+from jaxpar.planner.cost import action_costs
+from jaxpar.planner.frameworks import JAXPAR, Executor, for_model
 from jaxpar.planner.pipe import PipeFigures, figures
 from jaxpar.planner.shapes import param_counts
+from jaxpar.planner.workload import Shape
+
+__all__ = ["Shape", "memory", "paper_model_states", "pipe_figures"]
 
 OPT_SCALAR_BYTES = 8  # optax Adam's step count and the schedule's count (int32 each)
 XLA_UPDATE = 0.0  # optimizer temporaries, share of the optimizer shard (calibrated)
@@ -48,25 +51,8 @@ XLA_RECOMPUTE = 0.94  # share of one un-rematerialised layer alive while recompu
 XLA_BACKWARD = 0.85  # share of one layer's residuals alive as backward transients (calibrated)
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The workload a layout is costed for."""
-
-    global_batch: int
-    seq: int
-
-    def microbatch_size(self, lay: LayoutConfig) -> int:
-        """Sequences per micro-batch per dp rank (0 when it does not divide)."""
-        per_dp, r = divmod(self.global_batch, lay.dp)
-        if r or per_dp % lay.microbatches:
-            return 0
-        return per_dp // lay.microbatches
-
-
 def pipe_figures(lay: LayoutConfig, executor: Executor = JAXPAR) -> PipeFigures:
     """The schedule library's figures for ``lay`` (see :mod:`jaxpar.planner.pipe`)."""
-    from jaxpar.planner.cost import action_costs
-
     costs = action_costs(lay, executor)
     return figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, executor.lockstep,
                    memory=lay.pipeline_memory)  # fmt: skip
