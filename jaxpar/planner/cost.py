@@ -6,13 +6,13 @@ of ``b`` sequences of ``s`` tokens per dp rank, ``tokens = b·s/sp`` local token
 * **One layer's forward** ``t_f``: each of its four weight matmuls (fused QKV, attention out,
   gate/up, down — local shapes after tp) takes FLOPs / (peak × efficiency at the size of the
   square matmul with its FLOPs per byte, :func:`matmul_size`) from the mesh file's curve
-  (:mod:`jaxpar.planner.hardware`); the attention core's QKᵀ and PV run at the efficiency of the sequence length for a ``blockwise`` kernel, which also
-  skips the masked half, and at that of the head dimension for ``dense``, which computes the
-  whole s×s and moves its scores through HBM (``Executor.score_bytes`` per score); the
-  memory-bound remainder (norms, residual adds, rope, activations, casts) is
-  ``Executor.elementwise_passes`` × the layer's saved activation bytes / (HBM bandwidth × the GPU
-  generation's ``elementwise_share``). Backward = 2 × forward; full recompute repeats the
-  forward (and its tp/sp collectives) in the backward.
+  (:mod:`jaxpar.planner.hardware`); the attention core's QKᵀ and PV run at the efficiency
+  of the sequence length for a ``blockwise`` kernel, which also skips the masked half, and at
+  that of the head dimension for ``dense``, which computes the whole s×s and moves its scores
+  through HBM (``Executor.score_bytes`` per score); the memory-bound remainder (norms,
+  residual adds, rope, activations, casts) is ``Executor.elementwise_passes`` × the layer's
+  saved activation bytes / (HBM bandwidth × the GPU generation's ``elementwise_share``).
+  Backward = 2 × forward; full recompute repeats the forward (and its tp/sp collectives).
 * **Optimizer**: Adam reads params, gradients and both moments and writes three of them back
   (plus the compute-dtype copy): ``OPTIMIZER_BYTES`` per parameter the device updates, over
   the same memory-bound bandwidth.
