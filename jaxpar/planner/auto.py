@@ -19,7 +19,7 @@ from jaxpar import config as C
 from jaxpar import validation as V
 from jaxpar.errors import ConfigError
 from jaxpar.planner import explain as X
-from jaxpar.planner.recommend import plan, rank_layouts
+from jaxpar.planner.recommend import Ranking, plan, rank_layouts
 from jaxpar.planner.search import Candidate
 
 # Layout fields a ranked layout sets, with the `jaxpar train` flag of each (None: `-o`).
@@ -100,12 +100,14 @@ def _why(c: Candidate, ranked: list[Candidate], i: int, n: int, refusals: list[s
     return text
 
 
-def train_flags(cfg: C.RunConfig, index: int, model_arg: str, mesh_arg: str) -> list[str]:
+def train_flags(
+    cfg: C.RunConfig, index: int, model_arg: str, mesh_arg: str, ranking: Ranking | None = None
+) -> list[str]:
     """``jaxpar train`` flags running ranked layout ``index`` (1 = the recommendation) of
-    ``cfg``'s plan (``model_arg``/``mesh_arg``: the names or paths it was loaded from): model,
-    mesh, workload and every layout field. Raises :class:`ConfigError` for an index past the
-    ranking."""
-    r = rank_layouts(cfg)
+    ``cfg``'s plan (``model_arg``/``mesh_arg``: the names or paths it was loaded from; a
+    ``ranking`` of ``cfg`` already searched is reused): model, mesh, workload and every layout
+    field. Raises :class:`ConfigError` for an index past the ranking."""
+    r = ranking or rank_layouts(cfg)
     if not 1 <= index <= len(r.ranked):
         raise ConfigError(
             f"--emit-flags={index}: must be between 1 and {len(r.ranked)} (the ranked layouts "

@@ -12,7 +12,8 @@ runs the cheapest (algorithm, protocol) pair:
   (:func:`jaxpar.planner.hardware.link_bw`).
 * **tree** (all-reduce only, and only across nodes here): ``2·((n/k − 1)·lat_intra +
   log2(k)·lat_inter)``; it moves the whole buffer up and down at 0.9 of the link's
-  bandwidth, so it wins for small buffers over many nodes and loses for large ones.
+  bandwidth, capped as NCCL caps it (``maxTreeBw``), so it wins for small buffers over many
+  nodes and loses for large ones.
 * **protocols**: ``Simple`` (full bandwidth, the per-hop latencies below) and ``LL128``
   (0.92 of the bandwidth, lower per-hop latency). LL (a quarter of the bandwidth) only wins
   for buffers of a few kB, which no train step issues, and is left out.
@@ -49,6 +50,8 @@ NCCL_TABLE = {
     ("tree", "simple"): (0.0, 28.0, 50.0, 0.9),
     ("tree", "ll128"): (4.4, 1.2, 8.5, 0.9 * 0.915),
 }
+# NCCL caps a tree's bus bandwidth (maxTreeBw, GB/s): 80 beyond two nodes, 110 within two.
+TREE_MAX_BW = (110e9, 80e9)
 # XLA:GPU's combiner thresholds when the mesh's xla_flags do not set them (30 MiB each).
 XLA_DEFAULT_COMBINE_BYTES = 30 * 2**20
 COMBINE_FLAGS = {
@@ -126,7 +129,7 @@ def call_time(
             ppn = size / k
             lat = base * 1e-6 + 2 * ((ppn - 1) * lat_i + math.log2(k) * lat_x)
             buffer = wire_bytes * size / (2 * (size - 1))
-            secs = 2 * buffer / (bw * share)
+            secs = 2 * buffer / min(bw * share, TREE_MAX_BW[k > 2])
         if best is None or lat + secs < best.seconds:
             best = CallTime(lat + secs, lat, algo, proto)
     assert best is not None
