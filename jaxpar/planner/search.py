@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from jaxpar import validation as V
+from jaxpar.analysis.theory import train_flops_per_token
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.errors import ConfigError
 from jaxpar.planner import footprint as M
@@ -288,6 +289,4 @@ def tokens_per_step(shape: M.Shape) -> int:
 
 def train_flops(model: ModelConfig, shape: M.Shape) -> float:
     """Model FLOPs of one step (6Ψ + 12·l·h·s per token, no recompute)."""
-    from jaxpar.analysis.theory import train_flops_per_token
-
     return train_flops_per_token(model, shape.seq) * tokens_per_step(shape)
