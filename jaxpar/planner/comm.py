@@ -6,8 +6,9 @@ is not assumed: a call hides only behind the compute the schedule places beside 
 compute's length; the rest is exposed and adds to the step.
 
 * **tp** (per layer and micro-batch): two all-reduces in the forward and two in the backward
-  (Megatron-SP: an all-gather and a reduce-scatter each), repeated by a full recompute, plus
-  the embedding's all-reduce; hidden only by an executor that overlaps them with the matmuls
+  (Megatron-SP: an all-gather and a reduce-scatter each), repeated by a full recompute (the
+  embedding lookup's one all-reduce per micro-batch is not counted); hidden only by an
+  executor that overlaps them with the matmuls
   (``Executor.overlap_tp``, collective matmuls), never by jaxpar's.
 * **sp**: Ulysses' four all-to-alls per pass, or ring attention's ``sp − 1`` K/V sends.
 * **dp, ZeRO-3**: per layer and micro-batch an all-gather in the forward (the next layer's,
