@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
 
         print(" ".join(train_flags(cfg, args.emit_flags, args.model, args.mesh)))
         return 0
+    stated = {"global_batch": args.global_batch, "seq_len": args.seq}
+    sources = {k: "command line" for k, v in stated.items() if v is not None}
     given = [n for n in LAYOUT_FLAGS if getattr(args, n) is not None]
     if args.sequence_parallel:
         given.append("sequence_parallel")
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             cfg.mesh.layout = C.LayoutConfig(dp=1, tp=1, compute_dtype=_dtype(cfg))
         for n in given:
             C.override(cfg, f"layout.{n}", getattr(args, n) if n != "sequence_parallel" else True)
-        result = cost_layout(cfg)
+        result = cost_layout(cfg, given=sources)
     else:
         if args.top < 0:
             from jaxpar.errors import ConfigError

@@ -91,7 +91,7 @@ def nodes_spanned(hw: HardwareConfig, stride: int, size: int) -> int:
     if size <= 1 or stride * size <= hw.devices_per_node:
         return 1
     per_node = max(1, min(size, hw.devices_per_node // max(stride, 1)))
-    return max(1, size // per_node)
+    return max(2, math.ceil(size / per_node))
 
 
 def _steps(kind: str, n: int, k: int) -> tuple[int, int]:

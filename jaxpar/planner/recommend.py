@@ -68,8 +68,9 @@ def _finish(c: S.Candidate, cfg: C.RunConfig, shape: Shape) -> dict:
     return X.summary(c, cfg.model, cfg.mesh.hardware, shape)
 
 
-def cost_layout(cfg: C.RunConfig) -> dict:
-    """Cost exactly ``cfg``'s layout: the summary plus ``verdict`` ('fits'/'does not fit')."""
+def cost_layout(cfg: C.RunConfig, given: dict[str, str] | None = None) -> dict:
+    """Cost exactly ``cfg``'s layout: the summary plus ``verdict`` ('fits'/'does not fit'),
+    ``workload`` and ``assumed`` (as :func:`plan`)."""
     check_layout(cfg)
     shape = Shape(cfg.train.global_batch, cfg.train.seq_len)
     c = S.evaluate(cfg.model, cfg.mesh.hardware, cfg.layout, shape)
@@ -82,6 +83,10 @@ def cost_layout(cfg: C.RunConfig) -> dict:
         "per device)"
     )
     out["best"] = {k: v for k, v in out.items() if k not in ("best", "headline", "verdict")}
+    sources = workload_sources(cfg, given)
+    out["workload"] = {"global_batch": shape.global_batch, "seq_len": shape.seq,
+                       "source": sources}  # fmt: skip
+    out["assumed"] = _assumed(cfg, sources, c)
     return out
 
 
