@@ -177,3 +177,12 @@ def test_layout_auto_when_nothing_fits(capsys):
                "--dry-run"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 1 and "NO layout fits. Smallest shortfall" in out
+
+
+def test_layout_auto_needs_the_planners_hardware_figures(capsys, tmp_path):
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("devices: 8\nhardware: {platform: cpu, peak_flops_bf16: 1.0e+11}\n")
+    rc = main(["train", "--layout", "auto", "--mesh", str(bare), "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "hardware.device_memory_bytes missing" in err
+    assert len(err.strip().splitlines()) == 1

@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
-def _raw_hardware(mesh: str) -> dict | None:
+def raw_hardware(mesh: str) -> dict | None:
+    """The mesh file's ``hardware`` mapping as written (no defaults filled in)."""
     from jaxpar import config as C
 
     path = C._resolve(mesh, C.MESHES_DIR, "mesh")
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxpar.report import emit_json
 
     cfg = C.load(args.model, args.mesh)
-    check_hardware(_raw_hardware(args.mesh), cfg.mesh)
+    check_hardware(raw_hardware(args.mesh), cfg.mesh)
     if args.global_batch is not None:
         C.override(cfg, "train.global_batch", args.global_batch)
     if args.seq is not None:

@@ -152,7 +152,9 @@ def auto_layout(cfg, args: argparse.Namespace) -> dict | None:
     fits the devices."""
     if getattr(args, "layout", None) != "auto":
         return None
+    from jaxpar.commands.plan import raw_hardware
     from jaxpar.errors import ConfigError
+    from jaxpar.planner import check_hardware
     from jaxpar.planner.auto import NoLayoutFits, resolve_auto_layout
 
     given = [n for n in LAYOUT_NAMES if getattr(args, n) is not None]
@@ -160,6 +162,7 @@ def auto_layout(cfg, args: argparse.Namespace) -> dict | None:
     if given:
         raise ConfigError(f"--layout=auto: conflicts with --{given[0].replace('_', '-')} (the "
                           "planner chooses every layout field)")  # fmt: skip
+    check_hardware(raw_hardware(args.mesh), cfg.mesh)  # the planner's figures, stated
     try:
         chosen = resolve_auto_layout(cfg)
     except NoLayoutFits as e:
