@@ -186,3 +186,19 @@ def test_layout_auto_needs_the_planners_hardware_figures(capsys, tmp_path):
     err = capsys.readouterr().err
     assert rc == 2 and "hardware.device_memory_bytes missing" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_priced_calls_move_the_bytes_of_the_stage_theory(zero):
+    """The per-call dp terms add up to jaxpar.planner.traffic.dp_traffic (the theory `jaxpar
+    memory` reports and the compiled HLO was checked against)."""
+    from jaxpar.planner.traffic import dp_traffic
+
+    model = C.ModelConfig(**SMALL)
+    hw = C.load_mesh("a100-64").hardware
+    lay = C.LayoutConfig(dp=8, tp=1, zero=zero, microbatches=4, compute_dtype="bfloat16")
+    cost = step_cost(model, hw, lay, Shape(32, 64))
+    priced = sum(c.bytes for c in cost.comm if c.name == "dp_comm")
+    assert priced == pytest.approx(dp_traffic(model, lay)["total_bytes"], rel=1e-9)
+    calls = sum(c.calls for c in cost.comm if c.name == "dp_comm")
+    assert calls == (4 * (3 * 4 + 2) if zero == 3 else 4 + 1 if zero == 2 else 1 + (zero > 0))
