@@ -91,6 +91,10 @@ class HardwareConfig:
     # [[size, share], ...] ascending (jaxpar bench --calibrate measures it).
     matmul_efficiency: list[list[float]] = field(default_factory=list)
     xla_flags: list[str] = field(default_factory=list)  # applied before JAX initialises
+    # Per-step latency of a collective over NVLink and over the network (NCCL ring/Simple
+    # hop, seconds); None: the planner takes NCCL's figures and says so (planner.collectives).
+    intra_node_latency_s: float | None = None
+    inter_node_latency_s: float | None = None
 
 
 @dataclass

@@ -112,8 +112,8 @@ def pp_part(quick: bool) -> dict:
     from jaxpar.devices import make_mesh
     from jaxpar.pipeline.schedules import make_schedule
     from jaxpar.pipeline.tables import SEND_NEXT, SEND_PREV, build_table
-    from jaxpar.planner.memory import Shape
     from jaxpar.planner.traffic import pp_message_bytes
+    from jaxpar.planner.workload import Shape
     from jaxpar.train.step import Trainer
 
     out = {}

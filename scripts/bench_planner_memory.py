@@ -5,11 +5,11 @@
     python scripts/bench_planner_memory.py --calibrate     # refit the XLA_* constants (~2 min)
 
 Measured: ``compiled_memory(Trainer(cfg, mesh).compile_step())['total']`` (arguments + outputs
-− aliased + temporaries, XLA's buffer assignment). Predicted: ``jaxpar.planner.memory.memory``
+− aliased + temporaries, XLA's buffer assignment). Predicted: ``jaxpar.planner.footprint.memory``
 (the function ``jaxpar plan`` and ``jaxpar memory`` call). The test model of ``tests/conftest.py``
 (4 layers, d 64, 4/2 heads, batch 16 × 32 tokens, fp32). ``--calibrate`` compiles one device
 with the layers, vocabulary, batch and sequence varied under each remat policy and least-squares
-the four XLA constants of :mod:`jaxpar.planner.memory`; none of the layouts below is used.
+the four XLA constants of :mod:`jaxpar.planner.footprint`; none of the layouts below is used.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from jaxpar import config as C  # noqa: E402
 from jaxpar import validation as V  # noqa: E402
 from jaxpar.analysis.hlo import compiled_memory  # noqa: E402
 from jaxpar.devices import make_mesh  # noqa: E402
-from jaxpar.planner import memory as M  # noqa: E402
+from jaxpar.planner import footprint as M  # noqa: E402
 from jaxpar.train.step import Trainer  # noqa: E402
 
 LAYOUTS = [

@@ -15,12 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "jaxpar"
 
-# Circles outside the pipeline's modules, owned by the planner package's refactor (its cost,
-# memory and traffic modules import each other). Listed here by name so the check still runs
-# on everything else; remove an entry once its circle is gone (the test fails on a stale one).
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"jaxpar.planner.cost", "jaxpar.planner.memory", "jaxpar.planner.traffic"}),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
 def modules() -> dict[str, Path]:

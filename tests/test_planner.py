@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +18,8 @@ from jaxpar.analysis.hlo import compiled_memory
 from jaxpar.cli import main
 from jaxpar.devices import make_mesh
 from jaxpar.planner import cost_layout, plan
+from jaxpar.planner import footprint as M
 from jaxpar.planner import hardware as HW
-from jaxpar.planner import memory as M
 from jaxpar.planner import search as S
 from jaxpar.planner.activations import block_residuals
 from jaxpar.planner.cost import action_costs
@@ -164,6 +163,16 @@ def test_gpu_mesh_files_carry_the_fitted_curve():
         assert hw.matmul_efficiency == HW.gpu_curve(hw), name
     h100, h200 = C.load_mesh("h100-8").hardware, C.load_mesh("h200-8").hardware
     assert HW.matmul_efficiency(h200, 512) > HW.matmul_efficiency(h100, 512)  # more HBM bw
+    # per generation: Hopper's large matmuls ~3x an A100's, its memory-bound work far less
+    a100 = C.load_mesh("a100-8").hardware
+    gh, ga = HW.generation(h100), HW.generation(a100)
+    assert (gh.name, ga.name, HW.generation(h200).name) == ("h100", "a100", "h100")
+    assert HW.generation(C.load_mesh("cpu-8").hardware) is None
+    matmul = (h100.peak_flops_bf16 * gh.matmul_share_max) / (
+        a100.peak_flops_bf16 * ga.matmul_share_max
+    )
+    memory = (h100.hbm_bw * gh.elementwise_share) / (a100.hbm_bw * ga.elementwise_share)
+    assert 2.0 < matmul < 3.5 and 1.2 < memory < 2.5 and memory < matmul
 
 
 # ---- memory against the compiled program ----------------------------------------------------
@@ -259,10 +268,9 @@ def test_llama2_70b_on_a100_64_and_production_layout():
     assert best["baseline"] is not None and best["baseline_note"]
 
 
-def test_405b_search_answers_in_under_10_s():
-    t0 = time.perf_counter()
+def test_405b_search_covers_the_mesh():
+    """(Its time is measured by scripts/make_benchmarks.py, not here.)"""
     out = plan(C.load("llama3-405b", "h100-1024"), top=3)
-    assert time.perf_counter() - t0 < 10.0
     assert out["fits"] and 0 < out["evaluated"] <= out["costed"]
     for s in [out, *out["alternatives"]]:
         lay = s["layout"]
@@ -273,13 +281,19 @@ def test_405b_search_answers_in_under_10_s():
 
 
 def test_held_out_published_runs():
+    """At least 40 published rows with a source each; on the held-out ones (chosen before the
+    fit) >= 85% within 20%, median |error| <= 10%, none off by more than 40%."""
     from jaxpar.planner import published as P
 
     rows = P.comparison()
-    assert len(P.FITTED) <= 3 and {r["name"] for r in rows if r["fitted"]} == set(P.FITTED)
-    s = P.summary(rows)["held_out"]
-    assert s["rows"] >= 15 and s["median_abs_error"] <= 0.15 and s["within_20pct"] >= 0.8, s
-    assert all(r["source"] for r in rows) and len({r["source"].split()[0] for r in rows}) >= 4
+    assert len(rows) >= 40 and {r["name"] for r in rows if r["fitted"]} == set(P.FITTED)
+    assert len(P.FITTED) <= 4 and len({r["name"] for r in rows}) == len(rows)
+    s = P.summary(rows)
+    h = s["held_out"]
+    assert h["rows"] >= 36 and h["median_abs_error"] <= 0.10 and h["within_20pct"] >= 0.85, h
+    assert h["max_abs_error"] <= 0.40, h
+    assert s["held_out_zero3_512plus"]["rows"] >= 2 and s["held_out_h100"]["rows"] >= 10
+    assert all(r["source"] for r in rows) and len({r["source"].split()[0] for r in rows}) >= 7
     assert {r["gpu"] for r in rows} == {"A100", "H100"}
 
 
@@ -373,9 +387,12 @@ def test_search_candidates_are_runnable():
     assert n > 10
 
 
-def test_fit_recovers_the_constant_in_the_mesh_files():
+def test_fit_recovers_the_constants_in_the_mesh_files():
+    """The per-generation constants in jaxpar.planner.hardware (and so the mesh files' curves)
+    are what the fit on the FITTED rows gives."""
     from jaxpar.planner import published as P
 
     fit, rows = P.fit()
-    assert fit.share_max == HW.ROOFLINE_SHARE_MAX and fit.kappa == HW.ROOFLINE_KAPPA
+    for g in HW.GENERATIONS:
+        assert fit.of(g.name) == (g.matmul_share_max, g.elementwise_share), g
     assert [r["error"] for r in rows] == [r["error"] for r in P.comparison()]

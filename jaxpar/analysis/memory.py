@@ -2,7 +2,7 @@
 
 :func:`theory` reports the ZeRO paper's convention (mixed-precision Adam, 2 + 2 + 12 bytes per
 parameter) beside what jaxpar's compiled step holds — the planner's one memory model,
-:func:`jaxpar.planner.memory.memory`, the function ``jaxpar plan`` calls too. :func:`measure`
+:func:`jaxpar.planner.footprint.memory`, the function ``jaxpar plan`` calls too. :func:`measure`
 compiles the real train step and reads XLA's per-device memory analysis and the collectives of
 the optimized HLO. :func:`dp_comm_theory` is the planner's data-parallel traffic
 (:func:`jaxpar.planner.traffic.dp_traffic`).
@@ -29,8 +29,9 @@ def theory(
     With only ``params`` (Ψ) the ZeRO figures use Ψ/(tp·pp) per device and nothing else can be
     computed (it needs the model's shape).
     """
-    from jaxpar.planner.memory import Shape, memory
+    from jaxpar.planner.footprint import memory
     from jaxpar.planner.shapes import param_counts, zero_shards
+    from jaxpar.planner.workload import Shape
 
     if model is None and params is None:
         raise ValueError("theory needs a model or a parameter count")

@@ -137,3 +137,11 @@ def _probe(directory: Path, text: str) -> None:
         raise argparse.ArgumentTypeError(
             f"{text!r}: {str(directory)!r} is not writable ({why})"
         ) from None
+
+
+def raw_hardware(mesh: str) -> dict | None:
+    """The mesh file's ``hardware`` mapping as written (no defaults filled in)."""
+    from jaxpar import config as C
+
+    path = C._resolve(mesh, C.MESHES_DIR, "mesh")
+    return C._read_yaml(path).get("hardware")

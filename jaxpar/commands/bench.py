@@ -54,6 +54,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if args.calibrate:
         return _calibrate(args, cfg, emit_json)
+    from jaxpar.commands.train import auto_layout
+
+    auto = auto_layout(cfg, args)
+    if auto is not None and auto.get("fits") is False:
+        return 1
     if args.steps is None:
         cfg.train.steps = 10
     if args.warmup < 0:
@@ -61,11 +66,13 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:  # validate and estimate memory; nothing compiled (jaxpar train --dry-run)
         from jaxpar.commands.train import dry_run
 
-        return dry_run(cfg, args, "bench")
+        return dry_run(cfg, args, "bench", auto)
     V.validate(cfg, n_devices=cfg.mesh.devices)
     if cfg.mesh.hardware.platform == "cpu":
         simulate_cpu_devices(cfg.mesh.devices)
     result = bench(cfg, warmup=args.warmup, profile=args.profile)
+    if auto is not None:
+        result["auto_layout"] = auto
     if args.json:
         emit_json(result)
     else:
@@ -115,8 +122,8 @@ def _calibrate(args: argparse.Namespace, cfg, emit_json) -> int:
 
 def predicted(cfg) -> dict:
     """The planner's memory and step time for ``cfg`` (jaxpar's own executor)."""
-    from jaxpar.planner.memory import Shape
     from jaxpar.planner.search import evaluate
+    from jaxpar.planner.workload import Shape
 
     shape = Shape(cfg.train.global_batch, cfg.train.seq_len)
     try:

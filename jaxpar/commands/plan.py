@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from jaxpar.commands import _checks as K
+
 HELP = "choose the layout for a model on a cluster; predict its memory and step time"
 
 LAYOUT_FLAGS = (
@@ -29,8 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", required=True, help="model name (models/NAME.yaml) or YAML path")
     p.add_argument("--mesh", required=True, help="mesh name (meshes/NAME.yaml) or YAML path")
-    from jaxpar.commands import _checks as K
-
     # --global-batch, --seq and --devices are checked as the fields they set (check_values)
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
@@ -47,14 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="cost the mesh file's own layout instead of searching",
     )
+    p.add_argument(
+        "--emit-flags",
+        type=K.positive_int,
+        default=None,
+        metavar="N",
+        help="print the `jaxpar train` flags of ranked layout N (1 = the recommendation) and "
+        "nothing else: jaxpar plan ... --emit-flags 1 | xargs jaxpar train --dry-run",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-
-
-def _raw_hardware(mesh: str) -> dict | None:
-    from jaxpar import config as C
-
-    path = C._resolve(mesh, C.MESHES_DIR, "mesh")
-    return C._read_yaml(path).get("hardware")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxpar.report import emit_json
 
     cfg = C.load(args.model, args.mesh)
-    check_hardware(_raw_hardware(args.mesh), cfg.mesh)
+    check_hardware(K.raw_hardware(args.mesh), cfg.mesh)
     if args.global_batch is not None:
         C.override(cfg, "train.global_batch", args.global_batch)
     if args.seq is not None:
@@ -74,6 +75,13 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None:
         C.override(cfg, "mesh.devices", args.devices)
     V.check_values(cfg)  # model, hardware and batch figures, before any search
+    if args.emit_flags is not None:
+        from jaxpar.planner.auto import train_flags
+
+        print(" ".join(train_flags(cfg, args.emit_flags, args.model, args.mesh)))
+        return 0
+    stated = {"global_batch": args.global_batch, "seq_len": args.seq}
+    sources = {k: "command line" for k, v in stated.items() if v is not None}
     given = [n for n in LAYOUT_FLAGS if getattr(args, n) is not None]
     if args.sequence_parallel:
         given.append("sequence_parallel")
@@ -83,13 +91,16 @@ def run(args: argparse.Namespace) -> int:
             cfg.mesh.layout = C.LayoutConfig(dp=1, tp=1, compute_dtype=_dtype(cfg))
         for n in given:
             C.override(cfg, f"layout.{n}", getattr(args, n) if n != "sequence_parallel" else True)
-        result = cost_layout(cfg)
+        result = cost_layout(cfg, given=sources)
     else:
         if args.top < 0:
             from jaxpar.errors import ConfigError
 
             raise ConfigError(f"--top {args.top}: must be >= 0")
-        result = plan(cfg, top=args.top)
+        stated = {"global_batch": args.global_batch, "seq_len": args.seq}
+        result = plan(
+            cfg, top=args.top, given={k: "command line" for k, v in stated.items() if v is not None}
+        )
     if args.json:
         print(result["headline"])
         emit_json({k: v for k, v in result.items() if k != "headline"})

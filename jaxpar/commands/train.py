@@ -74,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Megatron sequence parallelism over tp",
     )
+    p.add_argument(
+        "--layout",
+        choices=["auto"],
+        default=None,
+        help="auto: run the planner's best layout that fits the mesh's devices (printed, and "
+        "recorded in the run's JSON as auto_layout)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument(
         "--resume-or-start",
@@ -134,12 +141,42 @@ def build_config(args: argparse.Namespace):
     return cfg
 
 
+LAYOUT_NAMES = ("dp", "tp", "pp", "sp", "zero", "microbatches", "schedule", "virtual",
+                "pipeline_memory", "sp_mode", "remat", "offload", "compute_dtype")  # fmt: skip
+
+
+def auto_layout(cfg, args: argparse.Namespace) -> dict | None:
+    """``--layout auto``: set the planner's best layout on ``cfg`` and print it with why
+    (:func:`jaxpar.planner.auto.resolve_auto_layout`); returns its JSON record, ``None``
+    without the flag, or ``{"fits": False, ...}`` (the plan's verdict printed) when nothing
+    fits the devices."""
+    if getattr(args, "layout", None) != "auto":
+        return None
+    from jaxpar.errors import ConfigError
+    from jaxpar.planner import check_hardware
+    from jaxpar.planner.auto import NoLayoutFits, resolve_auto_layout
+
+    given = [n for n in LAYOUT_NAMES if getattr(args, n) is not None]
+    given += ["sequence_parallel"] if args.sequence_parallel else []
+    if given:
+        raise ConfigError(f"--layout=auto: conflicts with --{given[0].replace('_', '-')} (the "
+                          "planner chooses every layout field)")  # fmt: skip
+    check_hardware(K.raw_hardware(args.mesh), cfg.mesh)  # the planner's figures, stated
+    try:
+        chosen = resolve_auto_layout(cfg)
+    except NoLayoutFits as e:
+        print(e.result["headline"])
+        return {"fits": False, "shortfall_bytes": e.result.get("shortfall_bytes")}
+    print(chosen.line())
+    return chosen.to_dict()
+
+
 def memory_estimate(cfg) -> dict:
     """The planner's per-device memory estimate for ``cfg``'s layout, as ``jaxpar plan`` costs
     a given layout: ``per_device_bytes``, ``breakdown_bytes`` (params, grads, grad_accum,
     optimizer, activations with the schedule library's peak stashes, head, host),
     ``usable_bytes`` and ``fits``. The one place ``--dry-run`` reaches into the cost model."""
-    from jaxpar.planner import memory as M
+    from jaxpar.planner import footprint as M
     from jaxpar.planner.search import evaluate
 
     shape = M.Shape(cfg.train.global_batch, cfg.train.seq_len)
@@ -152,7 +189,7 @@ def memory_estimate(cfg) -> dict:
     }
 
 
-def dry_run(cfg, args: argparse.Namespace, verb: str = "train") -> int:
+def dry_run(cfg, args: argparse.Namespace, verb: str = "train", auto: dict | None = None) -> int:
     """``--dry-run``: everything that can be checked without JAX, then the layout and the
     planner's memory estimate; exit 0. Nothing is compiled, no device is set up."""
     from jaxpar import config as C
@@ -197,6 +234,8 @@ def dry_run(cfg, args: argparse.Namespace, verb: str = "train") -> int:
         "train": {k: getattr(t, k) for k in ("steps", "global_batch", "seq_len", "lr", "seed")},
         "memory": mem,
     }
+    if auto is not None:
+        out["auto_layout"] = auto
     if args.json:
         emit_json(out)
         return 0
@@ -225,8 +264,11 @@ def run(args: argparse.Namespace) -> int:
     from jaxpar.report import emit_json
 
     cfg = build_config(args)
+    auto = auto_layout(cfg, args)
+    if auto is not None and auto.get("fits") is False:
+        return 1
     if args.dry_run:
-        return dry_run(cfg, args)
+        return dry_run(cfg, args, auto=auto)
     V.validate(cfg, n_devices=cfg.mesh.devices)
     pc = setup(
         cfg.mesh.hardware, cfg.mesh.devices, args.coordinator, args.num_processes, args.process_id
@@ -257,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if pc is not None and pc.process_id != 0:
         return code  # process 0 reports
+    if auto is not None:
+        result["auto_layout"] = auto
     if args.json:
         emit_json(result)
     else:

@@ -6,17 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpar.config import HardwareConfig, ModelConfig
-from jaxpar.planner import memory as M
+from jaxpar.planner import footprint as M
 from jaxpar.planner.search import Candidate, layout_dict, tokens_per_step, train_flops
 from jaxpar.report import human_bytes
 
 TERM_NAMES = {
     "compute": "compute",
     "recompute": "recompute (remat)",
-    "tp_comm": "TP all-reduces",
-    "sp_comm": "sequence-parallel all-to-alls",
+    "optimizer": "optimizer update",
+    "tp_comm": "exposed TP collectives",
+    "sp_comm": "exposed sequence-parallel collectives",
     "bubble": "pipeline bubble",
-    "pp_p2p": "pipeline p2p",
+    "pp_p2p": "exposed pipeline sends",
     "dp_comm": "exposed dp/ZeRO traffic",
     "offload": "host transfers",
 }
@@ -43,6 +44,8 @@ def summary(c: Candidate, model: ModelConfig, hw: HardwareConfig, shape: M.Shape
         "pipeline": _pipeline(c),
         "bubble_fraction": c.bubble,
         "traffic_bytes_per_device": dict(c.cost.traffic),
+        # every collective kind: bytes, calls, seconds with their latency, hidden and exposed
+        "communication": [t.to_dict() for t in c.cost.comm if t.calls],
         "flags": list(c.flags),
     }
 
@@ -98,21 +101,29 @@ def render(result: dict[str, Any]) -> str:
     first = "given layout" if "verdict" in result else "recommended"
     for title, s in ((first, result.get("best")), ("baseline", result.get("baseline"))):
         if s:
-            lines += ["", f"{title}: {_layout_text(s['layout'])}", *_details(s)]
+            lines += ["", f"{title}: {layout_text(s['layout'])}", *_details(s)]
     if result.get("baseline_note"):
         lines.append(f"  vs cost model: {result['baseline_note']}")
+    mesh = result.get("mesh_layout")
+    if mesh and mesh.get("layout"):
+        lines += ["", f"the mesh file's own layout: {layout_text(mesh['layout'])}",
+                  *_details(mesh), f"  vs recommended: {mesh['vs_recommended']}"]  # fmt: skip
+    elif mesh:
+        lines += ["", f"the mesh file's own layout is refused here: {mesh['refused']}"]
     alts = result.get("alternatives") or []
     if alts:
         lines += ["", "alternatives:"]
         for a in alts:
             lines.append(
-                f"  {_layout_text(a['layout'])}: {a['step_time_s']:.3f} s/step, "
+                f"  {layout_text(a['layout'])}: {a['step_time_s']:.3f} s/step, "
                 f"{human_bytes(a['memory_per_device_bytes'])}/device — {a['why']}"
             )
+    lines += [f"assumed: {a}" for a in result.get("assumed") or []]
     return "\n".join(lines)
 
 
-def _layout_text(lay: dict) -> str:
+def layout_text(lay: dict) -> str:
+    """One line: a ``layout`` JSON object as ``dp=.. tp=.. ...``."""
     extra = f" {lay['schedule']} v={lay['virtual']}" if lay["pp"] > 1 else ""
     extra += " lean" if lay.get("pipeline_memory") == "lean" else ""
     sp = " +SP" if lay.get("sequence_parallel") else ""
@@ -144,6 +155,20 @@ def _details(s: dict) -> list[str]:
         f"{human_bytes(s['zero_paper_model_states_bytes'])} of model states)",
         f"  time terms (s): {terms}",
         f"  traffic per device per step: {traffic or 'none'}",
+        *_communication(s.get("communication") or []),
     ]
     out += [f"  ! {f}" for f in s["flags"]]
+    return out
+
+
+def _communication(terms: list[dict]) -> list[str]:
+    """One line per collective kind: what it moves, how often, and how much of it hides."""
+    out = []
+    for c in terms:
+        out.append(
+            f"  {c['name']} {c['label']}: {human_bytes(c['bytes'])} in {c['calls']:,.0f} calls "
+            f"({c['algorithm']}, {c['link']}), {c['seconds']:.3g} s of which latency "
+            f"{c['latency_s']:.3g} s; hidden {c['hidden_s']:.3g} s behind {c['behind']}, "
+            f"exposed {c['exposed_s']:.3g} s"
+        )
     return out

@@ -22,18 +22,62 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from jaxpar.config import HardwareConfig
 from jaxpar.errors import ConfigError
 
 CURVE_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# The GPU mesh files' curves: share_max · g / (g + kappa · peak / hbm_bw); share_max fitted on
-# three published runs, kappa = 1 set (jaxpar.planner.published.fit; the others held out).
+# The GPU mesh files' curves: share_max · g / (g + kappa · peak / hbm_bw), share_max per GPU
+# generation (GENERATIONS, fitted), kappa = 1 set (jaxpar.planner.published.fit).
 # tests/test_planner.py checks that every GPU mesh file carries the curve these give.
-ROOFLINE_SHARE_MAX = 0.65
 ROOFLINE_KAPPA = 1.0
 GPU_MESHES = ("a100-8", "a100-64", "a100-40gb-8", "h100-8", "h100-1024", "h200-8")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a GPU generation sustains, as fitted on published runs
+    (:mod:`jaxpar.planner.published`, the rows in ``FITTED`` only).
+
+    * ``matmul_share_max``: the roofline curve's ceiling, the share of ``peak_flops_bf16`` a
+      large bf16 matmul sustains in a training step (clocks under load, kernel efficiency);
+    * ``elementwise_share``: the share of ``hbm_bw`` the memory-bound remainder sustains
+      (norms, rotary, softmax, casts, the optimizer): Hopper's matmuls run ~3× an A100's but
+      its memory-bound kernels only ~1.6× (the HBM ratio), so the remainder weighs more there.
+    """
+
+    name: str
+    peak_flops_bf16: float  # how a mesh file's hardware is recognised (dense bf16 peak)
+    matmul_share_max: float
+    elementwise_share: float
+
+
+GENERATIONS = (
+    Generation("a100", 312e12, 0.79, 0.70),
+    Generation("h100", 989e12, 0.62, 0.85),  # H100 and H200 (same SM, same peak)
+)
+ROOFLINE_SHARE_MAX = GENERATIONS[0].matmul_share_max  # the A100 figure (older callers)
+
+
+def generation(hw: HardwareConfig) -> Generation | None:
+    """The GPU generation of ``hw`` (by a ``gpu`` name when the mesh has one, else by its
+    peak), or None (CPU, or a GPU the fit has not seen: the curve is then the mesh's own)."""
+    name = str(getattr(hw, "gpu", "") or "").lower()
+    for g in GENERATIONS:
+        if name.startswith(g.name) or (name.startswith("h200") and g.name == "h100"):
+            return g
+    if hw.platform != "gpu":
+        return None
+    return next((g for g in GENERATIONS if abs(hw.peak_flops_bf16 / g.peak_flops_bf16 - 1) < 0.05),
+                None)  # fmt: skip
+
+
+def elementwise_share(hw: HardwareConfig) -> float:
+    """Share of ``hbm_bw`` memory-bound kernels sustain on ``hw`` (1 off the fitted GPUs)."""
+    g = generation(hw)
+    return g.elementwise_share if g else 1.0
 
 
 def matmul_efficiency(hw: HardwareConfig, size: float) -> float:
@@ -63,9 +107,13 @@ def roofline_curve(
     return [[g, round(share_max * g / (g + kappa * ridge), 4)] for g in sizes]
 
 
-def gpu_curve(hw: HardwareConfig) -> list[list[float]]:
-    """The fitted roofline curve for a GPU's peak and memory bandwidth."""
-    return roofline_curve(hw.peak_flops_bf16, hw.hbm_bw, ROOFLINE_SHARE_MAX, ROOFLINE_KAPPA)
+def gpu_curve(hw: HardwareConfig, share_max: float | None = None) -> list[list[float]]:
+    """The fitted roofline curve for a GPU's peak and memory bandwidth (its generation's
+    ``matmul_share_max`` unless ``share_max`` is given)."""
+    if share_max is None:
+        g = generation(hw)
+        share_max = g.matmul_share_max if g else GENERATIONS[0].matmul_share_max
+    return roofline_curve(hw.peak_flops_bf16, hw.hbm_bw, share_max, ROOFLINE_KAPPA)
 
 
 def link_bw(hw: HardwareConfig, stride: int, size: int) -> float:

@@ -126,8 +126,9 @@ def figures(
     if err:
         raise ConfigError(err)
     m0 = m if exact or m <= 2 * p else 2 * p + m % p
-    # Timing is piecewise linear in the cost ratios: two decimals keep the cache small.
-    costs = ActionCosts(round(costs.b, 2), round(costs.i, 2), round(costs.w, 2))
+    # Timing is piecewise linear in the cost ratios: steps of 0.05 keep the cache small (a
+    # search costs thousands of layouts whose ratios differ in the third decimal).
+    costs = ActionCosts(*(round(x * 20) / 20 for x in (costs.b, costs.i, costs.w)))
     makespan, busy, ticks, sends, peaks, slots = _measure(kind, p, m0, v, costs, lockstep, memory)
     extra = m - m0
     if extra:

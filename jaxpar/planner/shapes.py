@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from jaxpar.config import MODEL_SHAPE_FIELDS, LayoutConfig, ModelConfig
 
@@ -31,17 +31,17 @@ class ParamCounts:
     zero_shards: int  # N: devices a ZeRO shard is split over (dp, or dp_shard when hybrid)
     stage: int
 
-    @property
+    @cached_property
     def full(self) -> int:
         """Parameters of the whole model."""
         return sum(t[0] for t in self.tensors.values())
 
-    @property
+    @cached_property
     def local(self) -> int:
         """Parameters one data-parallel rank holds without ZeRO (after tp and pp)."""
         return sum(t[1] for t in self.tensors.values())
 
-    @property
+    @cached_property
     def sharded(self) -> int:
         """Parameters of one ZeRO shard."""
         return sum(t[2] for t in self.tensors.values())
@@ -54,7 +54,10 @@ class ParamCounts:
 
     def local_of(self, prefix: str) -> int:
         """Local elements of the tensors whose path starts with ``prefix`` (e.g. 'layers')."""
-        return sum(t[1] for k, t in self.tensors.items() if k.startswith(prefix))
+        memo = self.__dict__.setdefault("_local_of", {})  # the search asks thousands of times
+        if prefix not in memo:
+            memo[prefix] = sum(t[1] for k, t in self.tensors.items() if k.startswith(prefix))
+        return memo[prefix]
 
 
 def zero_shards(layout: LayoutConfig) -> int:

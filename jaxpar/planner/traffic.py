@@ -1,4 +1,5 @@
-"""Bytes each collective moves per device per optimizer step: one function per mesh axis.
+"""Bytes the data-parallel reduction, the pipeline and the host transfers move per device per
+step (the data-parallel totals the ``jaxpar memory`` theory reports).
 
 Wire bytes (what a device sends; ring algorithms, ``(N−1)/N`` made explicit). Ψ = parameters one
 device holds after tp and pp (:mod:`jaxpar.planner.shapes`), N the ZeRO group, k micro-batches,
@@ -15,14 +16,7 @@ device holds after tp and pp (:mod:`jaxpar.planner.shapes`), N the ZeRO group, k
   head on the last). Hybrid
   sharding (``dp_shard``): the same over the shard group plus an all-reduce of the shard across
   the groups once per step.
-* **tp** (Megatron, per layer and micro-batch): two all-reduces of the ``[b, s, d]`` activation
-  in the forward (attention out, MLP down), two in the backward (their conjugates at the
-  column-parallel inputs), two more when the forward is recomputed; with sequence parallelism
-  each becomes an all-gather plus a reduce-scatter of the same bytes. The embedding's lookup
-  adds one all-reduce per micro-batch (and one in the backward).
-* **sp** — Ulysses: all-to-alls of q, k, v (into head-sharded) and o (back), forward and
-  backward; ring: the K/V block passed ``sp − 1`` times forward, dK/dV once around backward
-  (autodiff through the ring keeps the received blocks, so there is no second K/V pass).
+* **tp** and **sp**: per call, in :mod:`jaxpar.planner.comm` (with their latency).
 * **pp**: one activation or cotangent message per send the schedule table makes.
 * **host**: optimizer offload moves gradients down and params up once per step; params offload
   also fetches params per micro-batch; ``remat=offload`` sends activations down and back.
@@ -35,9 +29,8 @@ from typing import Any
 from jaxpar.analysis import theory as T
 from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import LayoutConfig, ModelConfig
-from jaxpar.planner.activations import kv_heads_local
-from jaxpar.planner.memory import Shape
 from jaxpar.planner.shapes import param_counts
+from jaxpar.planner.workload import Shape
 
 ring = T.ring_factor
 
@@ -81,46 +74,6 @@ def dp_traffic(model: ModelConfig, lay: LayoutConfig) -> dict[str, Any]:
         "across_groups_bytes": across,
         "total_bytes": grads + params - saved + across,
     }
-
-
-def _tokens(lay: LayoutConfig, shape: Shape) -> float:
-    return (shape.microbatch_size(lay) or 1) * shape.seq / lay.sp
-
-
-def tp_traffic(model: ModelConfig, lay: LayoutConfig, shape: Shape) -> dict[str, float]:
-    """Tensor-parallel wire bytes per device per step: ``forward``/``backward`` per layer and
-    micro-batch, ``total`` for the device's layers and micro-batches."""
-    if lay.tp == 1:
-        return {"forward": 0.0, "backward": 0.0, "total": 0.0}
-    b = shape.microbatch_size(lay) or 1
-    per = T.tp_comm_elements_per_layer(b, shape.seq // lay.sp, model.d_model, lay.tp,
-                                       lay.sequence_parallel)  # fmt: skip
-    fwd = bwd = per["elements"] / 2 * DTYPE_BYTES[lay.compute_dtype]
-    one = fwd / 2  # one all-reduce (or gather + scatter) of the [b, s, d] activation
-    if lay.remat == "full":
-        bwd += fwd
-    layers = model.n_layers // lay.pp
-    total = (layers * (fwd + bwd) + 2 * one) * lay.microbatches
-    return {"forward": fwd, "backward": bwd, "total": total}
-
-
-def sp_traffic(model: ModelConfig, lay: LayoutConfig, shape: Shape) -> dict[str, float]:
-    """Sequence-parallel (Ulysses or ring) wire bytes, as :func:`tp_traffic`."""
-    if lay.sp == 1:
-        return {"forward": 0.0, "backward": 0.0, "total": 0.0}
-    w, b = DTYPE_BYTES[lay.compute_dtype], shape.microbatch_size(lay) or 1
-    q = model.n_heads * model.hd // lay.tp
-    kv = int(kv_heads_local(model, lay) * model.hd)
-    if lay.sp_mode == "ulysses":
-        el = T.ulysses_comm_elements_per_layer(b * shape.seq, q, lay.sp, kv)
-        fwd = bwd = el["wire"] / 2 * w
-    else:
-        el = T.ring_attention_comm_elements_per_layer(b * shape.seq, kv, lay.sp, False)
-        fwd, bwd = el["forward"] * w, el["backward"] * w
-    if lay.remat == "full":
-        bwd += fwd
-    total = (model.n_layers // lay.pp) * (fwd + bwd) * lay.microbatches
-    return {"forward": fwd, "backward": bwd, "total": total}
 
 
 def pp_message_bytes(model: ModelConfig, lay: LayoutConfig, shape: Shape) -> float:

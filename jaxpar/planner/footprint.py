@@ -32,14 +32,17 @@ they were fitted on.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
-from jaxpar.analysis.theory import DTYPE_BYTES
+from jaxpar.analysis.theory import DTYPE_BYTES, zero_model_states
 from jaxpar.config import LayoutConfig, ModelConfig
 from jaxpar.planner.activations import block_residuals
-from jaxpar.planner.executor import JAXPAR, Executor, for_model
+from jaxpar.planner.cost import action_costs
+from jaxpar.planner.frameworks import JAXPAR, Executor, for_model
 from jaxpar.planner.pipe import PipeFigures, figures
 from jaxpar.planner.shapes import param_counts
+from jaxpar.planner.workload import Shape
+
+__all__ = ["Shape", "memory", "paper_model_states", "pipe_figures"]
 
 OPT_SCALAR_BYTES = 8  # optax Adam's step count and the schedule's count (int32 each)
 XLA_UPDATE = 0.0  # optimizer temporaries, share of the optimizer shard (calibrated)
@@ -48,25 +51,8 @@ XLA_RECOMPUTE = 0.94  # share of one un-rematerialised layer alive while recompu
 XLA_BACKWARD = 0.85  # share of one layer's residuals alive as backward transients (calibrated)
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The workload a layout is costed for."""
-
-    global_batch: int
-    seq: int
-
-    def microbatch_size(self, lay: LayoutConfig) -> int:
-        """Sequences per micro-batch per dp rank (0 when it does not divide)."""
-        per_dp, r = divmod(self.global_batch, lay.dp)
-        if r or per_dp % lay.microbatches:
-            return 0
-        return per_dp // lay.microbatches
-
-
 def pipe_figures(lay: LayoutConfig, executor: Executor = JAXPAR) -> PipeFigures:
     """The schedule library's figures for ``lay`` (see :mod:`jaxpar.planner.pipe`)."""
-    from jaxpar.planner.cost import action_costs
-
     costs = action_costs(lay, executor)
     return figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, executor.lockstep,
                    memory=lay.pipeline_memory)  # fmt: skip
@@ -82,7 +68,7 @@ def memory(
     """Per-device bytes by kind (see the module docstring), ``total`` and ``host``."""
     executor = for_model(model, executor)
     pc = param_counts(model, lay)
-    wp, wc = DTYPE_BYTES[lay.param_dtype], DTYPE_BYTES[lay.compute_dtype]
+    wp = DTYPE_BYTES[lay.param_dtype]
     params = wp * pc.held("params")
     opt = 2 * wp * pc.held("optimizer") + OPT_SCALAR_BYTES
     host = 0.0
@@ -93,9 +79,43 @@ def memory(
     pipe = pipe or pipe_figures(lay, executor)
     b = shape.microbatch_size(lay) or 1
     tokens = b * shape.seq / lay.sp  # local tokens of one micro-batch
+    acts, per_layer, offloaded = _activations(model, lay, shape, executor, pipe, pc, tokens)
+    host += offloaded
+
+    grads = wp * (pc.sharded if lay.zero == 3 else pc.local)
+    accum = 0.0
+    if lay.microbatches > 1 and lay.pp == 1:
+        accum = wp * (pc.sharded if lay.zero >= 2 else pc.local)
+    update = XLA_UPDATE * wp * pc.held("optimizer") * 2
+
+    vocab = model.vocab_size / lay.tp
+    head_tokens = tokens if executor.loss == "dense" else min(tokens, executor.loss_chunk)
+    head = XLA_HEAD * 4 * head_tokens * vocab
+
+    pipeline = _pipeline_bytes(model, lay, executor, pipe, pc, tokens, per_layer, acts + grads)
+    out = {
+        "batch": 4 * (shape.global_batch // lay.dp) * (shape.seq + 1),  # int32 tokens shard
+        "params": params,
+        "grads": grads,
+        "grad_accum": accum,
+        "optimizer": opt,
+        "update": update,
+        "activations": acts,
+        "head": head,
+        "pipeline": pipeline,
+    }
+    out["total"] = sum(out.values())
+    out["host"] = host
+    return out
+
+
+def _activations(model, lay, shape, executor, pipe, pc, tokens) -> tuple[float, float, float]:
+    """(activation bytes on the device, one layer's stashed residuals, bytes parked on the
+    host) — the ``activations`` entry of :func:`memory`."""
+    wc = DTYPE_BYTES[lay.compute_dtype]
     layers = model.n_layers // lay.pp
     chunk = model.n_layers // (lay.pp * lay.virtual)
-
+    host = 0.0
     remat = lay.remat  # one meaning per setting on every layout (jaxpar.train.remat)
     res = block_residuals(model, lay, shape.seq, executor.attention, remat)
     if lay.zero == 3:
@@ -123,45 +143,26 @@ def memory(
         # The embedding and head tables are gathered whole (their layers are not scanned).
         acts += wc * (pc.local - pc.local_of("layers"))
 
-    grads = wp * (pc.sharded if lay.zero == 3 else pc.local)
-    accum = 0.0
-    if lay.microbatches > 1 and lay.pp == 1:
-        accum = wp * (pc.sharded if lay.zero >= 2 else pc.local)
-    update = XLA_UPDATE * wp * pc.held("optimizer") * 2
+    return acts, per_layer, host
 
-    head = 0.0
-    vocab = model.vocab_size / lay.tp
-    head_tokens = tokens if executor.loss == "dense" else min(tokens, executor.loss_chunk)
-    head = XLA_HEAD * 4 * head_tokens * vocab
 
-    pipeline = 0.0
-    if lay.pp > 1:
-        msg = wc * tokens * model.d_model / (lay.tp if lay.sequence_parallel else 1)
-        n_act, n_grad, n_cot = pipe.slots
-        pipeline += msg * (n_act + n_grad + n_cot)  # receive slots and the loss cotangents
-        pipeline += executor.tick_stashes * per_layer * chunk  # the tick's own residual sets
-        pipeline += wp * (pc.local - pc.local_of("layers"))  # head/embedding grads accumulator
-        # The scan carries the stashes and the gradient accumulators (Executor.carry_copies).
-        pipeline += executor.carry_copies * (acts + pipeline + grads)
-    out = {
-        "batch": 4 * (shape.global_batch // lay.dp) * (shape.seq + 1),  # int32 tokens shard
-        "params": params,
-        "grads": grads,
-        "grad_accum": accum,
-        "optimizer": opt,
-        "update": update,
-        "activations": acts,
-        "head": head,
-        "pipeline": pipeline,
-    }
-    out["total"] = sum(out.values())
-    out["host"] = host
-    return out
+def _pipeline_bytes(model, lay, executor, pipe, pc, tokens, per_layer, carried) -> float:
+    """The executor's message slots, tick stashes and accumulators (pp > 1; ``carried``: the
+    stashes and gradients the scan carry holds)."""
+    if lay.pp == 1:
+        return 0.0
+    wp, wc = DTYPE_BYTES[lay.param_dtype], DTYPE_BYTES[lay.compute_dtype]
+    chunk = model.n_layers // (lay.pp * lay.virtual)
+    msg = wc * tokens * model.d_model / (lay.tp if lay.sequence_parallel else 1)
+    n_act, n_grad, n_cot = pipe.slots
+    pipeline = msg * (n_act + n_grad + n_cot)  # receive slots and the loss cotangents
+    pipeline += executor.tick_stashes * per_layer * chunk  # the tick's own residual sets
+    pipeline += wp * (pc.local - pc.local_of("layers"))  # head/embedding grads accumulator
+    # The scan carries the stashes and the gradient accumulators (Executor.carry_copies).
+    return pipeline + executor.carry_copies * (carried + pipeline)
 
 
 def paper_model_states(model: ModelConfig, lay: LayoutConfig) -> dict[str, float]:
     """The ZeRO paper's convention (bf16 params and grads, K = 12) for the same tp/pp shard."""
-    from jaxpar.analysis.theory import zero_model_states
-
     pc = param_counts(model, lay)
     return zero_model_states(pc.local, pc.zero_shards, lay.zero)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from jaxpar import config as C
 from jaxpar import validation as V
 from jaxpar.errors import ConfigError
 from jaxpar.planner import explain as X
-from jaxpar.planner import memory as M
 from jaxpar.planner import search as S
+from jaxpar.planner.workload import DEFAULT_WORKLOAD_NOTE, Shape
 from jaxpar.report import human_bytes
 
 HARDWARE_NEEDED = (
@@ -63,14 +64,15 @@ def check_layout(cfg: C.RunConfig) -> None:
     V.validate(cfg, n_devices=cfg.mesh.devices)
 
 
-def _finish(c: S.Candidate, cfg: C.RunConfig, shape: M.Shape) -> dict:
+def _finish(c: S.Candidate, cfg: C.RunConfig, shape: Shape) -> dict:
     return X.summary(c, cfg.model, cfg.mesh.hardware, shape)
 
 
-def cost_layout(cfg: C.RunConfig) -> dict:
-    """Cost exactly ``cfg``'s layout: the summary plus ``verdict`` ('fits'/'does not fit')."""
+def cost_layout(cfg: C.RunConfig, given: dict[str, str] | None = None) -> dict:
+    """Cost exactly ``cfg``'s layout: the summary plus ``verdict`` ('fits'/'does not fit'),
+    ``workload`` and ``assumed`` (as :func:`plan`)."""
     check_layout(cfg)
-    shape = M.Shape(cfg.train.global_batch, cfg.train.seq_len)
+    shape = Shape(cfg.train.global_batch, cfg.train.seq_len)
     c = S.evaluate(cfg.model, cfg.mesh.hardware, cfg.layout, shape)
     out = _finish(c, cfg, shape)
     verdict = "fits" if c.fits else "does not fit"
@@ -81,31 +83,47 @@ def cost_layout(cfg: C.RunConfig) -> dict:
         "per device)"
     )
     out["best"] = {k: v for k, v in out.items() if k not in ("best", "headline", "verdict")}
+    sources = workload_sources(cfg, given)
+    out["workload"] = {"global_batch": shape.global_batch, "seq_len": shape.seq,
+                       "source": sources}  # fmt: skip
+    out["assumed"] = _assumed(cfg, sources, c)
     return out
 
 
-def plan(cfg: C.RunConfig, top: int = 3) -> dict:
-    """Search layouts for ``cfg.model`` on ``cfg.mesh`` at ``cfg.train``'s batch and sequence.
+@dataclass
+class Ranking:
+    """Every layout split's best candidate that fits, fastest first, with the search's counts."""
 
-    Returns the recommended layout's summary at the top level, ``alternatives`` (the best
-    layout of each other (dp, tp, pp, sp, schedule) split, with ``why`` it loses), the
-    ``baseline`` (rule of thumb) with a note on where the cost model disagrees, and
-    ``evaluated`` (how many layouts fit) and ``costed`` (how many were costed). When nothing
-    fits: ``fits`` false, ``shortfall_bytes`` and ``suggestion``.
-    """
-    model, hw, n = cfg.model, cfg.mesh.hardware, cfg.mesh.devices
-    shape = M.Shape(cfg.train.global_batch, cfg.train.seq_len)
+    ranked: list[S.Candidate]
+    shape: Shape
+    evaluated: int
+    costed: int
+    refused: int
+
+
+def check_workload(cfg: C.RunConfig) -> Shape:
+    """The workload of ``cfg`` as a :class:`Shape`, refused when not positive or longer than
+    the model's context."""
+    shape = Shape(cfg.train.global_batch, cfg.train.seq_len)
     for name, v in (("train.global_batch", shape.global_batch), ("train.seq_len", shape.seq)):
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name}={v!r}: must be a positive integer")
-    if shape.seq > model.max_seq_len:
+    if shape.seq > cfg.model.max_seq_len:
         raise ConfigError(
-            f"train.seq_len={shape.seq}: must be <= model.max_seq_len={model.max_seq_len}"
+            f"train.seq_len={shape.seq}: must be <= model.max_seq_len={cfg.model.max_seq_len}"
         )
-    groups: dict[tuple, S.Candidate] = {}  # the best of each (dp, tp, pp, sp, schedule) split
+    return shape
+
+
+def rank_layouts(cfg: C.RunConfig) -> Ranking:
+    """Search ``cfg.model`` on ``cfg.mesh`` at ``cfg.train``'s workload: the best layout of
+    each (dp, tp, pp, sp, schedule) split that fits, ranked by step time (what ``plan``,
+    ``--emit-flags`` and ``--layout auto`` share)."""
+    shape = check_workload(cfg)
+    groups: dict[tuple, S.Candidate] = {}
     evaluated = 0
     counter: dict[str, int] = {}
-    for c in S.candidates(model, hw, n, shape, counter=counter):
+    for c in S.candidates(cfg.model, cfg.mesh.hardware, cfg.mesh.devices, shape, counter=counter):
         evaluated += 1
         lay = c.layout
         key = (lay.dp, lay.tp, lay.pp, lay.sp, lay.sp_mode, lay.schedule, lay.virtual,
@@ -113,12 +131,55 @@ def plan(cfg: C.RunConfig, top: int = 3) -> dict:
         if key not in groups or _rank(c) < _rank(groups[key]):
             groups[key] = c
     ranked = sorted(groups.values(), key=_rank)
+    return Ranking(ranked, shape, evaluated, counter["costed"], counter["refused"])
+
+
+def workload_sources(cfg: C.RunConfig, given: dict[str, str] | None = None) -> dict[str, str]:
+    """Where each workload figure came from: 'command line' (``given``), 'mesh file' (its
+    ``train:`` section) or 'default' (jaxpar's training defaults)."""
+    out = {}
+    for key in ("global_batch", "seq_len"):
+        src = (given or {}).get(key)
+        out[key] = src or ("mesh file" if key in (cfg.mesh.train or {}) else "default")
+    return out
+
+
+def _assumed(cfg: C.RunConfig, sources: dict[str, str], best: S.Candidate | None) -> list[str]:
+    out = [
+        f"train.{k}={getattr(cfg.train, k)} ({DEFAULT_WORKLOAD_NOTE}; mesh "
+        f"{cfg.mesh.name!r} states no train.{k})"
+        for k, v in sources.items()
+        if v == "default"
+    ]
+    return out + (list(best.cost.assumed) if best else [])
+
+
+def plan(cfg: C.RunConfig, top: int = 3, given: dict[str, str] | None = None) -> dict:
+    """Search layouts for ``cfg.model`` on ``cfg.mesh`` at ``cfg.train``'s batch and sequence.
+
+    Returns the recommended layout's summary at the top level, ``alternatives`` (the best
+    layout of each other split, with ``why`` it loses), ``mesh_layout`` (the mesh file's own
+    layout costed beside the pick, with the terms that separate them), the ``baseline`` (rule
+    of thumb), ``workload`` (the figures planned for and where each came from), ``assumed``
+    (every default taken: workload, link latencies), and ``evaluated``/``costed``/``refused``.
+    When nothing fits: ``fits`` false, ``shortfall_bytes`` and ``suggestion``.
+    """
+    model, hw, n = cfg.model, cfg.mesh.hardware, cfg.mesh.devices
+    r = rank_layouts(cfg)
+    shape, ranked = r.shape, r.ranked
+    sources = workload_sources(cfg, given)
     base_lay, rule = S.baseline_layout(model, hw, n, shape)
     base = S.evaluate(model, hw, base_lay, shape) if base_lay else None
     head = f"{model.name} ({model.param_count() / 1e9:.1f} B params) on {cfg.mesh.name} "
     head += f"({n} devices), global batch {shape.global_batch} × {shape.seq} tokens"
+    if "default" in sources.values():
+        head += " (jaxpar's defaults: the mesh file states no workload)"
     if not ranked:
-        return _no_fit(cfg, shape, head, base)
+        out = _no_fit(cfg, shape, head, base)
+        out["workload"] = {"global_batch": shape.global_batch, "seq_len": shape.seq,
+                           "source": sources}  # fmt: skip
+        out["assumed"] = _assumed(cfg, sources, None)
+        return out
     best = ranked[0]
     out = _finish(best, cfg, shape)
     out["alternatives"] = []
@@ -126,14 +187,35 @@ def plan(cfg: C.RunConfig, top: int = 3) -> dict:
         s = _finish(alt, cfg, shape)
         s["why"] = X.why_loses(alt, best)
         out["alternatives"].append(s)
+    out["mesh_layout"] = _mesh_layout(cfg, shape, best)
     out["baseline"] = _finish(base, cfg, shape) if base else None
     out["baseline_note"] = X.disagreement(base, best, rule)
     out["baseline_rule"] = rule
-    out["evaluated"] = evaluated
-    out["costed"] = counter["costed"]
-    out["refused"] = counter["refused"]
-    out["headline"] = head + f": {counter['costed']} layouts costed, {evaluated} fit; recommended:"
+    out["ranked"] = len(ranked)
+    out["evaluated"], out["costed"], out["refused"] = r.evaluated, r.costed, r.refused
+    out["workload"] = {"global_batch": shape.global_batch, "seq_len": shape.seq,
+                       "source": sources}  # fmt: skip
+    out["assumed"] = _assumed(cfg, sources, best)
+    out["headline"] = head + f": {r.costed} layouts costed, {r.evaluated} fit; recommended:"
     out["best"] = _finish(best, cfg, shape)
+    return out
+
+
+def _mesh_layout(cfg: C.RunConfig, shape: Shape, best: S.Candidate) -> dict:
+    """The mesh file's own layout costed beside the pick (or why it cannot be)."""
+    lay = cfg.mesh.layout
+    try:
+        V.check_layout(cfg.model, lay, shape.global_batch, shape.seq, cfg.mesh.devices)
+    except ConfigError as e:
+        return {"refused": str(e)}
+    c = S.evaluate(cfg.model, cfg.mesh.hardware, lay, shape)
+    out = _finish(c, cfg, shape)
+    if c.step_time >= best.step_time:
+        out["vs_recommended"] = X.why_loses(c, best)
+    else:
+        out["vs_recommended"] = f"{best.step_time / c.step_time - 1:.1%} faster than the pick" + (
+            "" if c.fits else " but does not fit"
+        )
     return out
 
 
@@ -143,7 +225,7 @@ def _rank(c: S.Candidate) -> tuple[float, float]:
     return (float(f"{c.step_time:.6g}"), c.memory["total"])
 
 
-def _no_fit(cfg: C.RunConfig, shape: M.Shape, head: str, base: S.Candidate | None) -> dict:
+def _no_fit(cfg: C.RunConfig, shape: Shape, head: str, base: S.Candidate | None) -> dict:
     hw, n = cfg.mesh.hardware, cfg.mesh.devices
     lean = S.smallest_shortfall(cfg.model, hw, n, shape)
     usable = S.usable(hw)

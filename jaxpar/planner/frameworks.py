@@ -11,7 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 ATTENTION = ("dense", "blockwise")
-LOSS = ("dense", "chunked")
+# HBM passes over a layer's saved activations per forward for the memory-bound remainder:
+# fused kernels (XLA's fusions, Megatron/Transformer Engine's fused norms and activations)
+# write each saved activation once and read it once; eager PyTorch launches every elementwise
+# op (the norm's square, mean, rsqrt and scale; rotary's halves; silu and its product; casts)
+# as its own kernel, about three round trips per saved value (torchtitan's own H100 table:
+# torch.compile, which fuses them, +16% on the same run).
+FUSED_PASSES = 2.0
+EAGER_PASSES = 6.0
 
 
 @dataclass(frozen=True)
@@ -36,8 +43,17 @@ class Executor:
       input-gradient half also re-runs the forward.
     * ``overlap_tp``: share of the tensor- and sequence-parallel collective time hidden behind
       matmuls (collective matmuls, userbuffers, context-parallel p2p overlapped with
-      attention); ``overlap_dp``: share of the backward (forward too
-      for ZeRO-3's gathers) that can hide the data-parallel traffic.
+      attention); ``overlap_dp``: share of the compute beside a data-parallel call that can
+      hide it (:mod:`jaxpar.planner.comm`: a ZeRO-3 gather behind its neighbour layer, a
+      gradient bucket behind one micro-batch's backward).
+    * ``overlap_p2p``: pipeline sends run beside the tick's compute (asynchronous runtimes);
+      jaxpar's lock-step ticks send after the compute. ``overlap_param_gather``: ZeRO 1/2's
+      all-gather of the updated params runs behind the next step's first forward (Megatron's
+      distributed optimizer); jaxpar gathers after the update.
+    * ``elementwise_passes``: HBM passes of the memory-bound remainder (``FUSED_PASSES`` or
+      ``EAGER_PASSES``).
+    * ``bucket_bytes``: the framework's gradient bucket (0: XLA's combiner threshold from
+      the mesh's ``xla_flags``).
     * ``carry_copies``: extra copies of the pipeline scan's carry (stashes, accumulators) the
       compiled tick holds — XLA's CPU compile copies the carry in every switch branch that
       passes it through (jax-ml/jax#38145). jaxpar's branches touch only their own slots and
@@ -63,7 +79,11 @@ class Executor:
     recompute_in_i: bool = True
     score_bytes: float = 24.0
     overlap_tp: float = 0.0
-    overlap_dp: float = 0.8
+    overlap_dp: float = 1.0
+    overlap_p2p: bool = False
+    overlap_param_gather: bool = False
+    bucket_bytes: float = 0.0
+    elementwise_passes: float = FUSED_PASSES
     carry_copies: float = 0.0
     tick_stashes: float = 1.0
     selective_reruns_kernel: bool = False

@@ -1,0 +1,242 @@
+"""Every collective a step issues, per call, and how much of it hides behind compute.
+
+Calls are counted as the compiled program makes them and priced by
+:func:`jaxpar.planner.collectives.call_time` (latency per step + bytes over bandwidth). Overlap
+is not assumed: a call hides only behind the compute the schedule places beside it, up to that
+compute's length; the rest is exposed and adds to the step.
+
+* **tp** (per layer and micro-batch): two all-reduces in the forward and two in the backward
+  (Megatron-SP: an all-gather and a reduce-scatter each), repeated by a full recompute (the
+  embedding lookup's one all-reduce per micro-batch is not counted); hidden only by an
+  executor that overlaps them with the matmuls
+  (``Executor.overlap_tp``, collective matmuls), never by jaxpar's.
+* **sp**: Ulysses' four all-to-alls per pass, or ring attention's ``sp − 1`` K/V sends.
+* **dp, ZeRO-3**: per layer and micro-batch an all-gather in the forward (the next layer's,
+  prefetched behind this layer's forward), an all-gather and a reduce-scatter in the backward
+  (behind this layer's backward); the first gather of each pass and the last reduce-scatter
+  have nothing before them and are exposed, as are the embedding/head gathers.
+* **dp, ZeRO 0-2**: the gradient reduction split into buckets by XLA's combiner thresholds
+  (:func:`jaxpar.planner.collectives.combined_calls`), hidden behind one micro-batch's backward
+  (ZeRO 0/1 reduce after the last micro-batch; ZeRO-2 after each), the last bucket exposed;
+  ZeRO 1/2's all-gather of the updated params exposed unless the executor overlaps it with the
+  next step's first forward. Hybrid sharding adds an exposed all-reduce across the groups.
+* **pp**: one send per message the schedule table makes, hidden behind the tick's compute only
+  for an executor that overlaps point-to-point with compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from jaxpar.analysis import theory as T
+from jaxpar.analysis.theory import DTYPE_BYTES
+from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
+from jaxpar.planner.activations import kv_heads_local
+from jaxpar.planner.collectives import call_time, combined_calls
+from jaxpar.planner.frameworks import Executor
+from jaxpar.planner.hardware import crosses_nodes
+from jaxpar.planner.layer import Calls, LayerTime
+from jaxpar.planner.shapes import param_counts
+from jaxpar.planner.traffic import pp_message_bytes
+from jaxpar.planner.workload import Shape
+
+
+@dataclass(frozen=True)
+class CommTerm:
+    """One kind of collective of a step, on the busiest device."""
+
+    name: str  # the step term it adds to: tp_comm, sp_comm, dp_comm or pp_p2p
+    label: str  # what the calls are
+    bytes: float  # wire bytes per device per step
+    calls: float  # calls per step
+    seconds: float  # all of them, latency included
+    latency_s: float  # the latency part of ``seconds``
+    hidden_s: float  # behind compute the schedule places beside them
+    link: str  # "intra" (NVLink) or "inter" (the network)
+    algorithm: str  # NCCL's choice for one call (ring/tree, simple/ll128)
+    behind: str  # the compute that hides it
+
+    @property
+    def exposed_s(self) -> float:
+        """Seconds the step waits for these calls."""
+        return max(0.0, self.seconds - self.hidden_s)
+
+    def to_dict(self) -> dict:
+        """The JSON object (``exposed_s`` included)."""
+        return {**asdict(self), "exposed_s": self.exposed_s}
+
+
+def _link(hw: HardwareConfig, stride: int, size: int) -> str:
+    return "inter" if crosses_nodes(hw, stride, size) else "intra"
+
+
+def _calls(hw, kinds: list[tuple[str, float]], size: int, stride: int) -> tuple:
+    """(seconds, latency, wire bytes, algorithm) of a sequence of (kind, wire bytes) calls."""
+    secs = lat = nbytes = 0.0
+    algo = "none"
+    for kind, wire in kinds:
+        ct = call_time(hw, kind, wire, size, stride)
+        secs, lat, nbytes = secs + ct.seconds, lat + ct.latency_s, nbytes + wire
+        algo = f"{ct.algorithm}/{ct.protocol}"
+    return secs, lat, nbytes, algo
+
+
+def _pass_calls(hw, kinds, size: int, stride: int, label: str) -> Calls:
+    """A pass's calls, the same in forward and backward."""
+    secs, lat, nbytes, algo = _calls(hw, kinds, size, stride)
+    return Calls(secs, secs, lat, lat, len(kinds), len(kinds), nbytes, nbytes,
+                 _link(hw, stride, size), algo, label)  # fmt: skip
+
+
+def tp_calls(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape) -> Calls:
+    """One layer's tensor-parallel calls per micro-batch (module docstring)."""
+    if lay.tp == 1:
+        return Calls()
+    b = shape.microbatch_size(lay) or 1
+    buf = b * shape.seq / lay.sp * model.d_model * DTYPE_BYTES[lay.compute_dtype]
+    r = T.ring_factor(lay.tp)
+    if lay.sequence_parallel:
+        kinds = [("all-gather", buf * r), ("reduce-scatter", buf * r)] * 2
+        return _pass_calls(hw, kinds, lay.tp, 1, "all-gather + reduce-scatter (Megatron-SP)")
+    return _pass_calls(hw, [("all-reduce", 2 * buf * r)] * 2, lay.tp, 1, "all-reduce")
+
+
+def sp_calls(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape) -> Calls:
+    """One layer's sequence-parallel calls per micro-batch: Ulysses or ring."""
+    if lay.sp == 1:
+        return Calls()
+    w, b = DTYPE_BYTES[lay.compute_dtype], shape.microbatch_size(lay) or 1
+    q = model.n_heads * model.hd // lay.tp
+    kv = int(kv_heads_local(model, lay) * model.hd)
+    if lay.sp_mode == "ulysses":
+        el = T.ulysses_comm_elements_per_layer(b * shape.seq, q, lay.sp, kv)
+        per = el["wire"] / 2 * w / 4  # q, k, v in and o out: four all-to-alls a pass
+        return _pass_calls(hw, [("all-to-all", per)] * 4, lay.sp, lay.tp, "all-to-all (Ulysses)")
+    el = T.ring_attention_comm_elements_per_layer(b * shape.seq, kv, lay.sp, False)
+    steps = lay.sp - 1
+    fwd = _calls(hw, [("send", el["forward"] * w / steps)] * steps, lay.sp, lay.tp)
+    bwd = _calls(hw, [("send", el["backward"] * w / steps)] * steps, lay.sp, lay.tp)
+    return Calls(fwd[0], bwd[0], fwd[1], bwd[1], steps, steps, fwd[2], bwd[2],
+                 _link(hw, lay.tp, lay.sp), fwd[3], "K/V sends (ring attention)")  # fmt: skip
+
+
+def layer_terms(lt: LayerTime, n: int, full_remat: bool) -> list[CommTerm]:
+    """The tp and sp terms of ``n`` layer-micro-batches (a full recompute repeats the
+    forward's calls, exposed as the forward's are)."""
+    out = []
+    for name, c in (("tp_comm", lt.tp), ("sp_comm", lt.sp)):
+        reps, axis = 2 if full_remat else 1, name[:2]
+        hid = reps * lt.hidden(axis) + lt.hidden(axis, True)
+        out.append(CommTerm(
+            name, c.kind or "none", n * (reps * c.fwd_bytes + c.bwd_bytes),
+            n * (reps * c.fwd_calls + c.bwd_calls), n * (reps * c.fwd_s + c.bwd_s),
+            n * (reps * c.fwd_latency_s + c.bwd_latency_s), n * hid, c.link, c.algorithm,
+            "the compute they pair with" if hid else "nothing (not overlapped)"))  # fmt: skip
+    return out
+
+
+def pp_term(model, hw, lay, shape, sends: int, tick: float, overlap: bool) -> CommTerm:
+    """Pipeline sends of one step; hidden behind a tick's compute when ``overlap``."""
+    stride = lay.dp * lay.sp * lay.tp
+    msg = pp_message_bytes(model, lay, shape)
+    ct = call_time(hw, "send", msg, lay.pp, stride)
+    hidden = sends * min(ct.seconds, tick) if overlap else 0.0
+    return CommTerm("pp_p2p", "activation/cotangent sends", sends * msg, sends,
+                    sends * ct.seconds, sends * ct.latency_s, hidden, _link(hw, stride, lay.pp),
+                    f"{ct.algorithm}/{ct.protocol}",
+                    "the tick's compute" if overlap else "nothing (lock-step ticks)")  # fmt: skip
+
+
+def _term(hw, label, kind, wire, calls, size, stride, window, last_exposed=True) -> CommTerm:
+    """``calls`` calls of ``wire`` bytes each, hidden behind ``window`` seconds of compute
+    (the last call exposed when ``last_exposed``: no compute follows it)."""
+    ct = call_time(hw, kind, wire, size, stride)
+    total = calls * ct.seconds
+    floor = ct.seconds if last_exposed else 0.0
+    exposed = max(floor, total - window) if total else 0.0
+    return CommTerm("dp_comm", label, calls * wire, calls, total, calls * ct.latency_s,
+                    total - exposed, _link(hw, stride, size), f"{ct.algorithm}/{ct.protocol}",
+                    "one micro-batch's backward" if window else "nothing")  # fmt: skip
+
+
+def dp_terms(model, hw, lay, shape, lt: LayerTime, ex: Executor) -> list[CommTerm]:
+    """Data-parallel / ZeRO calls of one step (module docstring)."""
+    if lay.dp == 1:
+        return []
+    pc = param_counts(model, lay)
+    n, stride = pc.zero_shards if lay.zero else lay.dp, lay.sp * lay.tp
+    wr = DTYPE_BYTES[lay.reduce_dtype]
+    layers, m = model.n_layers // lay.pp, lay.microbatches
+    f_layer = lt.forward
+    b_layer = 2 * lt.compute + lt.backward_comm + (f_layer if lay.remat == "full" else lt.recompute)
+    if lay.zero == 3:
+        out = _zero3_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex)
+    else:
+        out = _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex)
+    groups = lay.dp // n
+    if groups > 1:  # hybrid: the shard's gradient all-reduced across the groups once
+        wire = 2 * pc.sharded * wr * T.ring_factor(groups)
+        out.append(_term(hw, "all-reduce across shard groups", "all-reduce", wire, 1, groups,
+                         stride * n, 0.0))  # fmt: skip
+    return out
+
+
+def _zero3_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> list[CommTerm]:
+    """ZeRO-3: per layer per pass, prefetched behind the neighbouring layer's compute."""
+    r = T.ring_factor(n)
+    wr, wc = DTYPE_BYTES[lay.reduce_dtype], DTYPE_BYTES[lay.compute_dtype]
+    per_layer = pc.local_of("layers") / layers
+    ag = call_time(hw, "all-gather", per_layer * r * wc, n, stride)
+    rs = call_time(hw, "reduce-scatter", per_layer * r * wr, n, stride)
+    ov = ex.overlap_dp
+    # forward: layer i+1's gather behind layer i's forward; the first has nothing before it
+    fwd_exposed = ag.seconds + (layers - 1) * max(0.0, ag.seconds - ov * f_layer)
+    pair = ag.seconds + rs.seconds  # backward: regather and reduce-scatter behind the layer's
+    bwd_exposed = pair + (layers - 1) * max(0.0, pair - ov * b_layer)
+    total = layers * (ag.seconds + pair)
+    link = _link(hw, stride, n)
+    algo = f"{ag.algorithm}/{ag.protocol}"
+    out = [CommTerm("dp_comm", "ZeRO-3 per-layer all-gather ×2 + reduce-scatter",
+                    m * layers * per_layer * r * (2 * wc + wr), m * layers * 3, m * total,
+                    m * layers * (2 * ag.latency_s + rs.latency_s),
+                    m * (total - fwd_exposed - bwd_exposed), link, algo,
+                    "the neighbouring layer's forward/backward (prefetch)")]  # fmt: skip
+    embed = float(pc.local - pc.local_of("layers"))
+    if lay.pp > 1:
+        embed = float(max(pc.local_of("embed"), pc.local_of("head")))
+    if embed:
+        # gathered before the first layer and reduced after the last: nothing beside them
+        out.append(_term(hw, "ZeRO-3 embedding/head all-gather", "all-gather", embed * r * wc,
+                         m, n, stride, 0.0))  # fmt: skip
+        out.append(_term(hw, "ZeRO-3 embedding/head reduce-scatter", "reduce-scatter",
+                         embed * r * wr, m, n, stride, 0.0))  # fmt: skip
+    return out
+
+
+def _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> list[CommTerm]:
+    """ZeRO 0-2: the gradient reduction in combiner-sized buckets, then the param gather."""
+    r = T.ring_factor(n)
+    wr, wp = DTYPE_BYTES[lay.reduce_dtype], DTYPE_BYTES[lay.param_dtype]
+    grads = pc.local * wr
+    kind = "all-reduce" if lay.zero == 0 else "reduce-scatter"
+    calls = combined_calls(hw, kind, grads, ex.bucket_bytes)
+    wire = grads / calls * r * (2 if lay.zero == 0 else 1)
+    window = ex.overlap_dp * layers * b_layer  # one micro-batch's backward
+    times = m if lay.zero == 2 else 1
+    t = _term(hw, f"gradient {kind} ({calls} bucket{'s' * (calls > 1)})", kind, wire, calls, n,
+              stride, window)  # fmt: skip
+    if times > 1:  # ZeRO-2: one reduction per micro-batch, each behind its own backward
+        t = CommTerm(t.name, t.label + f" ×{times} micro-batches", t.bytes * times,
+                     t.calls * times, t.seconds * times, t.latency_s * times, t.hidden_s * times,
+                     t.link, t.algorithm, t.behind)  # fmt: skip
+    out = [t]
+    if lay.zero >= 1:
+        params = pc.local * wp
+        pcalls = combined_calls(hw, "all-gather", params, ex.bucket_bytes)
+        pwindow = ex.overlap_dp * layers * f_layer if ex.overlap_param_gather else 0.0
+        t = _term(hw, "updated-param all-gather", "all-gather", params / pcalls * r, pcalls, n,
+                  stride, pwindow, last_exposed=not ex.overlap_param_gather)  # fmt: skip
+        if ex.overlap_param_gather:
+            t = CommTerm(**{**asdict(t), "behind": "the next step's first forward"})
+        out.append(t)
+    return out

@@ -1,0 +1,204 @@
+"""Planner: collectives with latency and exposure, the workload a plan states, the mesh file's
+layout beside the pick, ``--emit-flags`` and ``--layout auto`` (cheap: pure Python, one tiny
+training run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import yaml
+
+from jaxpar import config as C
+from jaxpar import validation as V
+from jaxpar.cli import main
+from jaxpar.planner import auto as A
+from jaxpar.planner import collectives as CO
+from jaxpar.planner import plan
+from jaxpar.planner.cost import step_cost
+from jaxpar.planner.explain import render
+from jaxpar.planner.workload import Shape
+
+SMALL = dict(name="small", n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128,
+             vocab_size=256, max_seq_len=64)  # fmt: skip
+
+
+def _last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ---- collectives ----------------------------------------------------------------------------
+
+
+def test_call_time_has_latency_and_nccls_algorithm_choice():
+    hw = C.load_mesh("h100-1024").hardware
+    small = CO.call_time(hw, "all-reduce", 64e3, 1024, 1)  # 32 kB over 128 nodes
+    large = CO.call_time(hw, "all-reduce", 4e9, 1024, 1)
+    assert small.algorithm == "tree" and large.algorithm == "ring"
+    assert small.latency_s > 0 and small.latency_s / small.seconds > 0.5  # latency-bound
+    # a ring all-gather's latency grows with the group: one step per rank
+    lat = [CO.call_time(hw, "all-gather", 1e8, n, 1).latency_s for n in (64, 256, 1024)]
+    assert lat[0] < lat[1] < lat[2]
+    assert CO.call_time(hw, "all-gather", 1e8, 1, 1).seconds == 0.0
+    with pytest.raises(ValueError, match="collective kind"):
+        CO.call_time(hw, "broadcast", 1.0, 8)
+
+
+def test_combiner_threshold_from_the_mesh_flags():
+    gpu, cpu = C.load_mesh("a100-64").hardware, C.load_mesh("cpu-8").hardware
+    assert CO.combine_threshold(gpu, "all-reduce") == 134217728  # the mesh's xla_flags
+    assert CO.combine_threshold(cpu, "all-reduce") == CO.XLA_DEFAULT_COMBINE_BYTES
+    assert CO.combined_calls(gpu, "all-reduce", 3 * 134217728 + 1) == 4
+
+
+def test_zero3_per_gpu_throughput_falls_at_fixed_global_batch():
+    """Synthetic: Llama-3-8B shape under ZeRO-3 at a fixed global batch of 2048 × 2048 tokens
+    on 256 → 2048 A100s: each GPU's batch shrinks, each layer's three collectives do not and
+    cross more hops, so per-GPU throughput must fall."""
+    model = C.load_model("llama3-8b")
+    shape = Shape(2048, 2048)
+    per_gpu = []
+    for n in (256, 512, 1024, 2048):
+        hw = dataclasses.replace(C.load_mesh("a100-64").hardware)
+        lay = C.LayoutConfig(dp=n, tp=1, zero=3, microbatches=1, remat="full",
+                             compute_dtype="bfloat16")  # fmt: skip
+        cost = step_cost(model, hw, lay, shape)
+        per_gpu.append(shape.global_batch * shape.seq / cost.step_time / n)
+        zero3 = next(c for c in cost.comm if c.label.startswith("ZeRO-3 per-layer"))
+        assert zero3.calls == 3 * model.n_layers and zero3.exposed_s > 0
+    assert all(a > b for a, b in zip(per_gpu, per_gpu[1:], strict=False)), per_gpu
+    assert per_gpu[-1] < 0.8 * per_gpu[0], per_gpu
+
+
+def test_communication_and_the_mesh_layout_beside_the_pick(capsys):
+    assert main(["plan", "--model", "llama2-70b", "--mesh", "a100-64", "--top", "1", "--json"]) == 0
+    text = capsys.readouterr().out
+    out = _last_json(text)
+    text = render({**out, "headline": ""})
+    assert "the mesh file's own layout: dp=2 tp=8 pp=4" in text and "vs recommended: +" in text
+    assert "hidden" in text and "exposed" in text
+    for s in (out, out["mesh_layout"]):
+        comm = s["communication"]
+        assert comm and all(c["hidden_s"] + c["exposed_s"] == pytest.approx(c["seconds"])
+                            for c in comm)  # fmt: skip
+        for term in ("dp_comm", "tp_comm", "pp_p2p"):
+            exposed = sum(c["exposed_s"] for c in comm if c["name"] == term)
+            assert s["step_time_terms_s"][term] == pytest.approx(exposed)
+    # the production layout's pipeline sends are exposed in jaxpar's lock-step ticks
+    sends = [c for c in out["mesh_layout"]["communication"] if c["name"] == "pp_p2p"]
+    assert sends and sends[0]["hidden_s"] == 0 and sends[0]["latency_s"] > 0
+
+
+# ---- what a plan says it planned ------------------------------------------------------------
+
+
+def test_plan_states_its_workload_and_defaults(capsys):
+    out = plan(C.load("tiny", "cpu-8"), top=0)
+    assert out["workload"]["source"] == {"global_batch": "default", "seq_len": "default"}
+    assert any("train.global_batch=32" in a for a in out["assumed"])
+    assert any("intra_node_latency_s" in a for a in out["assumed"])  # cpu-8 states none
+    assert "the mesh file states no workload" in out["headline"]
+    gpu = plan(C.load("llama3-8b", "h100-8"), top=0)
+    assert gpu["workload"] == {
+        "global_batch": 16,
+        "seq_len": 8192,
+        "source": {"global_batch": "mesh file", "seq_len": "mesh file"},
+    }
+    assert gpu["assumed"] == []  # the GPU mesh files state workload and latencies
+    assert main(["plan", "--model", "tiny", "--mesh", "cpu-8", "--seq", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "assumed: train.global_batch=32" in text and "assumed: train.seq_len" not in text
+
+
+# ---- --emit-flags and --layout auto ---------------------------------------------------------
+
+
+def test_emit_flags_run_in_train_dry_run_for_every_ranked_layout(capsys, tmp_path):
+    model = tmp_path / "small.yaml"
+    model.write_text(yaml.safe_dump(SMALL))
+    argv = ["plan", "--model", str(model), "--mesh", "cpu-8", "--global-batch", "8", "--seq",
+            "32"]  # fmt: skip
+    cfg = C.load(str(model), "cpu-8")
+    cfg.train.global_batch, cfg.train.seq_len = 8, 32
+    ranking = A.rank_layouts(cfg)
+    n = len(ranking.ranked)
+    assert n > 5
+    for i in range(1, n + 1):  # the CLI's flags for the first and last, the same function
+        if i in (1, n):
+            assert main([*argv, "--emit-flags", str(i)]) == 0
+            flags = capsys.readouterr().out.split()
+            assert flags == A.train_flags(cfg, i, str(model), "cpu-8", ranking)
+        else:
+            flags = A.train_flags(cfg, i, str(model), "cpu-8", ranking)
+        assert main(["train", "--dry-run", "--json", *flags]) == 0, flags
+        got = C.LayoutConfig(**_last_json(capsys.readouterr().out)["layout"])
+        assert got == ranking.ranked[i - 1].layout, (i, flags)
+    assert main([*argv, "--emit-flags", str(n + 1)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"between 1 and {n}" in err
+
+
+def test_layout_auto_trains_on_the_cpu_mesh(capsys, tmp_path):
+    model = tmp_path / "small.yaml"
+    model.write_text(yaml.safe_dump(SMALL))
+    argv = ["--model", str(model), "--global-batch", "8", "--seq-len", "32"]
+    assert main(["train", "--layout", "auto", *argv, "--steps", "1", "--no-progress",
+                 "--json"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    result = _last_json(out)
+    assert "layout auto: " in out and result["final_loss"] > 0
+    auto = result["auto_layout"]
+    assert auto["rank"] == 1 and "fastest" in auto["why"]
+    cfg = C.load(str(model), "cpu-8")
+    cfg.train.global_batch, cfg.train.seq_len = 8, 32
+    assert auto["layout"] == plan(cfg, top=0)["layout"]
+    rc = main(["train", "--layout", "auto", "--tp", "2", *argv, "--dry-run"])
+    assert rc == 2 and "--layout=auto: conflicts with --tp" in capsys.readouterr().err
+
+
+def test_layout_auto_skips_what_the_trainer_refuses(monkeypatch):
+    cfg = C.load("tiny", "cpu-8")
+    first = A.rank_layouts(cfg).ranked[0].layout
+    real = V.validate
+
+    def refuse_first(run, **kw):
+        if run.layout == first:
+            raise C.ConfigError("layout: refused for this test")
+        return real(run, **kw)
+
+    monkeypatch.setattr(V, "validate", refuse_first)
+    chosen = A.resolve_auto_layout(cfg)
+    assert chosen.rank == 2 and cfg.layout != first and "refused for this test" in chosen.why
+
+
+def test_layout_auto_when_nothing_fits(capsys):
+    rc = main(["train", "--layout", "auto", "--model", "llama3-405b", "--mesh", "a100-8",
+               "--dry-run"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 1 and "NO layout fits. Smallest shortfall" in out
+
+
+def test_layout_auto_needs_the_planners_hardware_figures(capsys, tmp_path):
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("devices: 8\nhardware: {platform: cpu, peak_flops_bf16: 1.0e+11}\n")
+    rc = main(["train", "--layout", "auto", "--mesh", str(bare), "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "hardware.device_memory_bytes missing" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_priced_calls_move_the_bytes_of_the_stage_theory(zero):
+    """The per-call dp terms add up to jaxpar.planner.traffic.dp_traffic (the theory `jaxpar
+    memory` reports and the compiled HLO was checked against)."""
+    from jaxpar.planner.traffic import dp_traffic
+
+    model = C.ModelConfig(**SMALL)
+    hw = C.load_mesh("a100-64").hardware
+    lay = C.LayoutConfig(dp=8, tp=1, zero=zero, microbatches=4, compute_dtype="bfloat16")
+    cost = step_cost(model, hw, lay, Shape(32, 64))
+    priced = sum(c.bytes for c in cost.comm if c.name == "dp_comm")
+    assert priced == pytest.approx(dp_traffic(model, lay)["total_bytes"], rel=1e-9)
+    calls = sum(c.calls for c in cost.comm if c.name == "dp_comm")
+    assert calls == (4 * (3 * 4 + 2) if zero == 3 else 4 + 1 if zero == 2 else 1 + (zero > 0))
