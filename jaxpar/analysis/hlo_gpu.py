@@ -10,8 +10,8 @@ schedule order, ``is_scheduled=true``):
   computation (:attr:`AsyncCollective.compute_between`: fusions, library calls, loops, ... and
   the dot FLOPs among them: fused dots and cuBLAS gemms).
 
-A collective is **exposed** when it is synchronous or nothing that computes lies between its
-start and done; its wire bytes (:func:`jaxpar.analysis.hlo.collective_bytes`: per device per
+A collective is **exposed** when it is synchronous or no matmul (dot, gemm) or attention kernel
+lies between its start and done; its wire bytes (:func:`jaxpar.analysis.hlo.collective_bytes`: per device per
 step, loops weighted by their trips) are then communication the step waits for. A start whose
 done is not in its computation (a collective the pipeliner split across loop iterations) is
 counted as overlapped with the rest of the iteration (``spans_iterations``).
@@ -59,10 +59,12 @@ class AsyncCollective:
 
     @property
     def exposed(self) -> bool:
-        """Synchronous, or nothing computes while it is in flight."""
+        """Synchronous, or no matmul or attention kernel runs while it is in flight (elementwise
+        fusions alone are not counted as hiding it)."""
         if self.spans_iterations:
             return self.sync
-        return self.sync or not self.asynchronous or self.compute_between == 0
+        hidden = self.flops_between > 0 or self.attention_between > 0
+        return self.sync or not self.asynchronous or not hidden
 
 
 @dataclass

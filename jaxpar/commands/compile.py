@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="set any config field, e.g. -o model.attention=blockwise")  # fmt: skip
     p.add_argument("--save", default=None, metavar="FILE", help="write the executable (new file)")
     p.add_argument("--load", default=None, metavar="FILE", help="check a saved executable")
+    p.add_argument("--hlo", default=None, metavar="FILE", help="write the optimized HLO text")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -109,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
     flags = apply_flags(list(cfg.mesh.hardware.xla_flags), plug.module)
     compiled = compile_step(cfg, target, flags)
     out = report(cfg, compiled)
+    if args.hlo:
+        with open(args.hlo, "x") as f:
+            f.write(compiled.compiled.as_text())
     if args.save:
         from jaxpar.gpu.saved import save
 
