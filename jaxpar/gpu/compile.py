@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,9 +53,17 @@ def _binary(module: str) -> Path:
 
 
 def unknown_flags(flags: list[str], library: Path) -> list[str]:
-    """The flags whose name the XLA library does not contain (it would abort on them)."""
+    """The flags whose name the XLA library does not hold as a whole word (it would abort on
+    them). The binary stores flag names NUL-terminated or run together (``...filexla_gpu_...``),
+    so a name counts when it is followed by neither a name character nor only by ``xla_``."""
+    names = {f: f.split("=", 1)[0].lstrip("-") for f in flags}
+    if not names:
+        return []
+    alts = b"|".join(re.escape(n.encode()) for n in sorted(set(names.values()), key=len)[::-1])
+    word = re.compile(b"(" + alts + b")(?:(?![a-z0-9_])|(?=xla_))")
     with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        return [f for f in flags if m.find(f.split("=", 1)[0].lstrip("-").encode() + b"\0") < 0]
+        found = {x.group(1).decode() for x in word.finditer(m)}
+    return [f for f in flags if names[f] not in found]
 
 
 def apply_flags(mesh_flags: list[str], plugin_module: str, env: dict | None = None) -> XlaFlags:

@@ -183,10 +183,10 @@ def cudnn_attention(q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: ja
         return fn(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
     q_spec = rules.spec(("batch", "attn_seq", "attn_heads", "head_dim"))
     kv_spec = rules.spec(("batch", "attn_seq", "attn_kv_heads", "head_dim"))
-    axes = {
-        a for part in (*q_spec, *kv_spec) if part
-        for a in (part if isinstance(part, tuple) else (part,))
-    }  # fmt: skip
+    # Every axis still automatic, size 1 or replicated too: the partitioner runs the rule
+    # (and fails) for any of them.
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
     if not axes:
         return fn(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
     sharded = jax.shard_map(
