@@ -11,10 +11,10 @@ schedule order, ``is_scheduled=true``):
   the dot FLOPs among them: fused dots and cuBLAS gemms).
 
 A collective is **exposed** when it is synchronous or no matmul (dot, gemm) or attention kernel
-lies between its start and done; its wire bytes (:func:`jaxpar.analysis.hlo.collective_bytes`: per device per
-step, loops weighted by their trips) are then communication the step waits for. A start whose
-done is not in its computation (a collective the pipeliner split across loop iterations) is
-counted as overlapped with the rest of the iteration (``spans_iterations``).
+lies between its start and done; its wire bytes (:func:`jaxpar.analysis.hlo.collective_bytes`:
+per device per step, loops weighted by their trips) are then communication the step waits for.
+A start whose done is not in its computation (a collective the pipeliner split across loop
+iterations) is counted as overlapped with the rest of the iteration (``spans_iterations``).
 """
 
 from __future__ import annotations

@@ -42,23 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace):
-    """RunConfig of the mesh file and the flags (validated before anything compiles)."""
-    from jaxpar import config as C
+    """RunConfig of the mesh file and the flags, as ``jaxpar train`` builds it (validated
+    before anything compiles)."""
     from jaxpar import validation as V
-    from jaxpar.commands.train import FLAGS
-    from jaxpar.errors import ConfigError
+    from jaxpar.commands import train
 
-    cfg = C.load(args.model, args.mesh)
-    for name in STEP_FLAGS:
-        if getattr(args, name) is not None:
-            C.override(cfg, FLAGS[name][0], getattr(args, name))
-    if args.sequence_parallel:
-        C.override(cfg, "layout.sequence_parallel", True)
-    for item in args.override:
-        if "=" not in item:
-            raise ConfigError(f"-o {item!r}: expected FIELD=VALUE")
-        key, value = item.split("=", 1)
-        C.override(cfg, key.strip(), value.strip())
+    values = {name: getattr(args, name, None) for name in train.FLAGS}
+    ns = argparse.Namespace(**values, model=args.model, mesh=args.mesh,
+                            sequence_parallel=args.sequence_parallel, override=args.override,
+                            resume=False, resume_or_start=False, no_progress=True)  # fmt: skip
+    cfg = train.build_config(ns)
     V.validate(cfg, n_devices=cfg.mesh.devices)
     return cfg
 
@@ -123,11 +116,16 @@ def run(args: argparse.Namespace) -> int:
         emit_json(out)
         return 0
     m, ov = out["memory"], out["overlap"]
-    print(f"{cfg.model.name} on {cfg.mesh.name} ({target.spec.name}, {target.topology}): "
-          f"compiled in {out['compile_seconds']:.1f} s, attention {out['attention']['chosen']}")
-    print(f"memory per device {human_bytes(m['total'])} (temp {human_bytes(m['temp'])}); "
-          f"planner {human_bytes(m['planner_bytes'])}, ratio {m['ratio']:.2f}; "
-          + ("fits" if m["fits"] else "does NOT fit") + f" {human_bytes(m['usable_bytes'])}")
+    print(
+        f"{cfg.model.name} on {cfg.mesh.name} ({target.spec.name}, {target.topology}): "
+        f"compiled in {out['compile_seconds']:.1f} s, attention {out['attention']['chosen']}"
+    )
+    print(
+        f"memory per device {human_bytes(m['total'])} (temp {human_bytes(m['temp'])}); "
+        f"planner {human_bytes(m['planner_bytes'])}, ratio {m['ratio']:.2f}; "
+        + ("fits" if m["fits"] else "does NOT fit")
+        + f" {human_bytes(m['usable_bytes'])}"
+    )
     for name, a in sorted(out["collectives"].items()):
         plan = a.get("planner_wire_bytes")
         print(f"  {name:<10} x{a['count']:<8.0f} {human_bytes(a['wire_bytes']):>11} on the wire"
