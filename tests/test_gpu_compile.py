@@ -159,10 +159,11 @@ def test_compile_zero3_saves_and_loads(tmp_path):
     assert got["loaded"] is os.path.exists("/proc/driver/nvidia/version")
 
 
-def test_per_leaf_zero3_gathers_match_single_device(monkeypatch):
-    """The GPU targets' ZeRO-3 form (one gather and one reduce-scatter per leaf, not one per
-    layer: reduce.packed_gathers), run on CPU devices: loss and every gradient leaf of dp 4 x
-    tp 2 with 2 micro-batches equal one device's."""
+@pytest.mark.parametrize("zero", [1, 3])
+def test_per_leaf_collectives_match_single_device(monkeypatch, zero):
+    """The GPU targets' ZeRO form (one gather and one reduce-scatter per leaf, not one per
+    layer or gradient: reduce.packed_collectives), run on CPU devices: loss and every gradient
+    leaf of dp 4 x tp 2 with 2 micro-batches equal one device's."""
     import jax
     import numpy as np
     from conftest import small_config
@@ -181,8 +182,8 @@ def test_per_leaf_zero3_gathers_match_single_device(monkeypatch):
 
     ref_loss, ref = grads(small_config(dp=1))
     calls = []
-    monkeypatch.setattr(reduce, "packed_gathers", lambda: calls.append(1) or False)
-    loss, g = grads(small_config(dp=4, tp=2, zero=3, microbatches=2))
+    monkeypatch.setattr(reduce, "packed_collectives", lambda: calls.append(1) or False)
+    loss, g = grads(small_config(dp=4, tp=2, zero=zero, microbatches=2))
     assert calls  # the per-leaf form ran
     assert abs(loss / ref_loss - 1) < 1e-5
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), g, ref)
