@@ -322,9 +322,10 @@ def packed_collectives() -> bool:
     packed ones: compiled for H100 (llama3-8b, ZeRO-3 over dp 8, seq 4096, docs/gpu.md),
     99% of the dp bytes had no matmul scheduled between start and done when packed, about a
     third per leaf; the packed reduce-scatter was never pipelined. Stage 1's one packed
-    reduce-scatter of the whole gradient held a second, concatenated copy of it (16 GiB per
-    device for llama2-70b at tp 8 x pp 2); per leaf, XLA's combiner groups them in buffers of
-    its threshold.
+    reduce-scatter of the whole gradient holds a second, concatenated copy of it after the
+    accumulation (16 GiB per device for llama2-70b at tp 8 x pp 2, though not at that step's
+    peak, which is inside the pipeline's loop); per leaf, XLA's combiner groups them in buffers
+    of its threshold.
     """
     dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     return dev is None or dev.platform not in ("gpu", "cuda")
