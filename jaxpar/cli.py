@@ -31,6 +31,7 @@ VERBS = (
     "data",
     "eval",
     "generate",
+    "compile",
 )
 
 
@@ -80,8 +81,23 @@ def one_line_warnings(prefix: str):
         warnings.showwarning = before
 
 
+def cpu_unless_gpu(env=None) -> None:
+    """With a jax CUDA plugin installed on a machine without an NVIDIA driver, JAX would try
+    CUDA first and print the plugin's traceback before falling back to the CPU: run on the CPU
+    from the start unless the user chose (``JAX_PLATFORMS``) or a driver is present."""
+    import importlib.util
+    import os
+
+    env = os.environ if env is None else env
+    if "JAX_PLATFORMS" in env or os.path.exists("/proc/driver/nvidia/version"):
+        return
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        env["JAX_PLATFORMS"] = "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` console script; returns the exit code."""
+    cpu_unless_gpu()
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a refused flag (2, already printed in one line)

@@ -79,6 +79,7 @@ class HardwareConfig:
     """Figures of one accelerator and its links, used by the planner and MFU."""
 
     platform: str = "cpu"  # "cpu" or "gpu"
+    gpu: str | None = None  # GPU kind of a GPU pod (jaxpar.gpu.targets.KINDS): its compile target
     device_memory_bytes: float = 16e9
     peak_flops_bf16: float = 1e12
     intra_node_bw: float = 50e9  # bytes/s per device, one direction (NVLink)

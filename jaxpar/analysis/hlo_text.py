@@ -179,8 +179,11 @@ def execution_counts(
             factor, k = 1, True
             if ins.opcode == "while":
                 tm = _TRIP.search(ins.attrs)
+                inferred = None if tm else infer_trips(comps, comps[c], ins)
                 if tm:
                     factor = int(tm.group(1))
+                elif inferred is not None:
+                    factor = inferred
                 else:
                     k = False
                     unknown.append(ins.name)
@@ -200,6 +203,59 @@ def execution_counts(
                 flagged = ins.opcode == "conditional" and weights is None
                 mult[callee] = (t0 + trips * factor * w, k0 and known and k, c0 or cond or flagged)
     return mult, unknown
+
+
+def _scalar(comps: dict[str, list[Instr]], table: dict[str, Instr], name: str) -> int | None:
+    """The integer a scalar operand holds when it is a constant (through copies)."""
+    ins = table.get(name)
+    while ins is not None and ins.opcode in ("copy", "bitcast") and ins.operands:
+        ins = table.get(ins.operands[0])
+    if ins is None or ins.opcode != "constant" or not ins.shape.startswith("s32[]"):
+        return None
+    # The parser reads a constant's literal as its one operand: "constant(3)" -> ["3"].
+    ok = ins.operands and re.fullmatch(r"-?\d+", ins.operands[0])
+    return int(ins.operands[0]) if ok else None
+
+
+def _fused_pair(comps: dict[str, list[Instr]], ins: Instr, opcode: str) -> tuple[Instr, int] | None:
+    """``(op, constant)`` of the ``opcode`` instruction with one s32 constant operand that
+    ``ins`` is, or that its fused computation holds."""
+    bodies = [[ins]] + [comps.get(c, []) for c in callees(ins)]
+    for body in bodies:
+        table = {i.name: i for i in body}
+        for op in body:
+            if op.opcode != opcode:
+                continue
+            values = [_scalar(comps, table, o) for o in op.operands]
+            known = [v for v in values if v is not None]
+            if len(known) == 1:
+                return op, known[0]
+    return None
+
+
+def infer_trips(comps: dict[str, list[Instr]], caller: list[Instr], loop: Instr) -> int | None:
+    """Trips of a ``while`` that lost its ``known_trip_count`` (XLA's loop double-buffering
+    and collective pipelining peel iterations and rewrite the loop): ``i < N`` in the
+    condition, ``i = i + 1`` in the body and a constant start; None unless all three are
+    found."""
+    cm = re.search(r"condition=%?([\w.\-]+)", loop.attrs)
+    bm = re.search(r"body=%?([\w.\-]+)", loop.attrs)
+    if not cm or not bm or cm.group(1) not in comps or bm.group(1) not in comps:
+        return None
+    cond, body = comps[cm.group(1)], comps[bm.group(1)]
+    found = _fused_pair(comps, cond[-1], "compare")
+    if found is None or "direction=LT" not in found[0].attrs:
+        return None
+    limit = found[1]
+    root = body[-1]
+    step_ins = {i.name: i for i in body}.get(root.operands[0]) if root.operands else None
+    step = _fused_pair(comps, step_ins, "add") if step_ins is not None else None
+    table = {i.name: i for i in caller}
+    init_tuple = table.get(loop.operands[0]) if loop.operands else None
+    if step is None or step[1] != 1 or init_tuple is None or not init_tuple.operands:
+        return None
+    start = _scalar(comps, table, init_tuple.operands[0])
+    return None if start is None else max(0, limit - start)
 
 
 def callees(ins: Instr) -> list[str]:

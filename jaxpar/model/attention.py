@@ -57,7 +57,7 @@ from jaxpar.config import RunConfig
 from jaxpar.errors import ConfigError
 from jaxpar.model import flash, native
 from jaxpar.model.names import resharded
-from jaxpar.sharding import constrain
+from jaxpar.sharding import active_rules, constrain
 
 Core = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -84,6 +84,20 @@ def nvidia(device: jax.Device) -> bool:
     client = getattr(device, "client", None)
     version = str(getattr(client, "platform_version", "")).lower()
     return "rocm" not in version and "hip" not in version
+
+
+def target() -> tuple[bool, str]:
+    """``(nvidia, platform)`` of the devices the program being traced is for: the active mesh's
+    (a compile-only GPU target's, :mod:`jaxpar.gpu`, while the process runs on the CPU), else the
+    default backend's. ``auto`` chooses from this, not from where the process runs."""
+    dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if dev is None:
+        device = jax.devices()[0]
+        return nvidia(device), device.platform
+    kind = str(dev.device_kind).lower()
+    # An abstract device has no client to ask for ROCm; AMD's device kinds name their maker.
+    on_nvidia = dev.platform in ("gpu", "cuda") and not kind.startswith(("amd", "radeon"))
+    return on_nvidia, "gpu" if dev.platform == "cuda" else dev.platform
 
 
 def cudnn_applies(on_nvidia: bool, dtype, head_dim: int) -> bool:
@@ -146,12 +160,40 @@ def core(implementation: str, block: int) -> Core:
     if implementation == "blockwise":
         return partial(flash.blockwise_attention, block=block)
     if implementation == "cudnn":
-        return partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+        return cudnn_attention
     if implementation == "dense":
         return causal_attention
     if implementation == "native":
         return native.flash_attention
     raise ValueError(f"attention implementation {implementation!r}: not resolved")
+
+
+def cudnn_attention(q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array):
+    """cuDNN's fused causal attention, per device under active sharding rules.
+
+    jax partitions the cuDNN call with ``custom_partitioning``, whose rule reads a
+    ``NamedSharding``'s spec and fails on the ``GSPMDSharding`` that operands carry inside the
+    step's ``shard_map`` (manual over dp and pp, tp left to GSPMD). A ``shard_map`` over the
+    axes that shard q, k and v (batch over dp, heads over tp) runs it on local shards instead:
+    the same program, with no collective, since each device has its heads' full sequences.
+    """
+    fn = partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+    rules = active_rules()
+    if rules is None:
+        return fn(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
+    q_spec = rules.spec(("batch", "attn_seq", "attn_heads", "head_dim"))
+    kv_spec = rules.spec(("batch", "attn_seq", "attn_kv_heads", "head_dim"))
+    # Every axis still automatic, size 1 or replicated too: the partitioner runs the rule
+    # (and fails) for any of them.
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
+    if not axes:
+        return fn(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
+    sharded = jax.shard_map(
+        fn, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=axes,
+        check_vma=False,
+    )  # fmt: skip
+    return sharded(q_BxSxHxDh, k_BxSxKxDh, v_BxSxKxDh)
 
 
 def causal_attention(q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array):

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.attention import core as attention_core
-from jaxpar.model.attention import kv_repeat, nvidia, resolve, ring_attention, ulysses
+from jaxpar.model.attention import kv_repeat, resolve, ring_attention, target, ulysses
 from jaxpar.model.names import projected, resharded, weight
 from jaxpar.sharding import active_rules, constrain
 
@@ -205,8 +205,8 @@ class Attention(nnx.Module):
         """The attention implementation this layer runs (:func:`attention.resolve`)."""
         rules = active_rules()
         mode = rules.attention if rules else "local"
-        device = jax.devices()[0]
-        return resolve(self.attention, nvidia(device), dtype, head_dim, mode, device.platform)
+        on_nvidia, platform = target()  # the mesh's devices: a GPU target compiles cuDNN's
+        return resolve(self.attention, on_nvidia, dtype, head_dim, mode, platform)
 
     def core(self, q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array):
         """Causal attention of the layout's parallel form (local, Ulysses or ring) with the

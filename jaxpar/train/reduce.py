@@ -177,7 +177,7 @@ class DPReduction:
 
         def gathered(t):
             n, cd, rd = self.sizes[self.axis], self.compute_dtype, self.reduce_dtype
-            t = _on_sharded(lambda xs, ds: _packed_gather(self.axis, n, xs, ds, cd, rd), t, dims)
+            t = _on_sharded(lambda xs, ds: _gather_leaves(self.axis, n, xs, ds, cd, rd), t, dims)
             # Tagged inside the nested region too: remat policies see the region's values.
             return jax.tree.map(lambda x: weight(x.astype(cd)), t)
 
@@ -214,7 +214,15 @@ class DPReduction:
         """One reduce-scatter over the ZeRO axis of every leaf with ``dims >= 0`` (local
         blocks, each returned as its shard in its own dtype); other leaves as they are."""
         n, rd = self.sizes[self.axis], self.reduce_dtype
-        return _on_sharded(lambda xs, ds: _packed_scatter(self.axis, n, xs, ds, rd), tree, dims)
+
+        def scatter(xs: list, ds: list) -> list:
+            if packed_collectives():
+                return _packed_scatter(self.axis, n, xs, ds, rd)
+            return [
+                _packed_scatter(self.axis, n, [x], [d], rd)[0] for x, d in zip(xs, ds, strict=True)
+            ]
+
+        return _on_sharded(scatter, tree, dims)
 
     def _psum(self, g: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         if not axes:
@@ -301,6 +309,37 @@ def _packed_scatter(
         (*g.shape[:d], g.shape[d] // n, *g.shape[d + 1 :]) for g, d in zip(gs, dims, strict=True)
     ]
     return _unrows(shard[None], shapes, dims, dtypes or [g.dtype for g in gs])
+
+
+def packed_collectives() -> bool:
+    """Whether a layer's ZeRO-3 leaves go in one gather (and one reduce-scatter), and stage 1's
+    and 2's gradients in one reduce-scatter.
+
+    Everywhere but on a GPU target (the mesh's devices, :func:`jaxpar.model.attention.target`):
+    XLA:CPU combines no all-gathers and every collective is a rendezvous of all device threads
+    (module docstring). On GPU, XLA's collective pipeliner and latency-hiding scheduler overlap
+    per-leaf gathers and reduce-scatters with the neighbouring layers' compute, and not the
+    packed ones: compiled for H100 (llama3-8b, ZeRO-3 over dp 8, seq 4096, docs/gpu.md),
+    99% of the dp bytes had no matmul scheduled between start and done when packed, about a
+    third per leaf; the packed reduce-scatter was never pipelined. Stage 1's one packed
+    reduce-scatter of the whole gradient holds a second, concatenated copy of it after the
+    accumulation (16 GiB per device for llama2-70b at tp 8 x pp 2, though not at that step's
+    peak, which is inside the pipeline's loop); per leaf, XLA's combiner groups them in buffers
+    of its threshold.
+    """
+    dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return dev is None or dev.platform not in ("gpu", "cuda")
+
+
+def _gather_leaves(axis: str, n: int, xs: list, dims: list, compute_dtype, reduce_dtype) -> list:
+    """:func:`_packed_gather` of all leaves at once, or of each leaf (:func:`packed_collectives`):
+    the same collectives' bytes and dtypes either way."""
+    if packed_collectives():
+        return _packed_gather(axis, n, xs, dims, compute_dtype, reduce_dtype)
+    return [
+        _packed_gather(axis, n, [x], [d], compute_dtype, reduce_dtype)[0]
+        for x, d in zip(xs, dims, strict=True)
+    ]
 
 
 def _packed_gather(axis: str, n: int, xs: list, dims: list, compute_dtype, reduce_dtype) -> list:

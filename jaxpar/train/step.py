@@ -153,7 +153,9 @@ class Trainer:
 
     def abstract_state(self) -> State:
         """ShapeDtypeStructs with shardings of the whole state (checkpoint restore target)."""
-        shapes = jax.eval_shape(self._init_fn, jax.random.key(0))
+        # The key is made inside the traced function: made eagerly it would run on the mesh's
+        # devices, which a compile-only GPU target (jaxpar.gpu) cannot execute on.
+        shapes = jax.eval_shape(lambda: self._init_fn(jax.random.key(0)))
         return jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             shapes,

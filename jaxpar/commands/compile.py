@@ -1,0 +1,135 @@
+"""``jaxpar compile``: compile the train step for a GPU pod on this machine and read the program.
+
+The mesh file names the pod (``hardware.gpu``, ``devices``, ``devices_per_node``,
+``xla_flags``); the layout flags are ``jaxpar train``'s. Nothing runs on a GPU: XLA:GPU compiles
+for the described target (:mod:`jaxpar.gpu`), and the report puts the program's memory,
+collectives and their overlap beside the planner's figures (keys: :mod:`jaxpar.gpu.report`).
+``--save FILE`` writes the serialized executable (:mod:`jaxpar.gpu.saved`); ``--load FILE``
+checks one against this machine's target and prints its header. Without the jax CUDA plugin
+the command says what to install (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+HELP = "compile the train step for a GPU pod (no GPU needed): memory, collectives, overlap"
+
+# jaxpar train's flags that shape the compiled step (the rest concern running it).
+STEP_FLAGS = ("global_batch", "seq_len", "devices", "dp", "tp", "pp", "sp", "zero",
+              "microbatches", "schedule", "virtual", "pipeline_memory", "sp_mode", "remat",
+              "offload", "compute_dtype")  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``jaxpar compile``."""
+    from jaxpar.commands.train import FLAGS
+
+    p.add_argument("--model", default="tiny", help="model name (models/NAME.yaml) or YAML path")
+    p.add_argument("--mesh", default="h100-8", help="GPU mesh name (meshes/NAME.yaml) or path")
+    for name in STEP_FLAGS:
+        _, typ, text = FLAGS[name]
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=text)
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="Megatron sequence parallelism over tp")  # fmt: skip
+    p.add_argument("-o", "--override", action="append", default=[], metavar="FIELD=VALUE",
+                   help="set any config field, e.g. -o model.attention=blockwise")  # fmt: skip
+    p.add_argument("--save", default=None, metavar="FILE", help="write the executable (new file)")
+    p.add_argument("--load", default=None, metavar="FILE", help="check a saved executable")
+    p.add_argument("--hlo", default=None, metavar="FILE", help="write the optimized HLO text")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def build_config(args: argparse.Namespace):
+    """RunConfig of the mesh file and the flags, as ``jaxpar train`` builds it (validated
+    before anything compiles)."""
+    from jaxpar import validation as V
+    from jaxpar.commands import train
+
+    values = {name: getattr(args, name, None) for name in train.FLAGS}
+    ns = argparse.Namespace(**values, model=args.model, mesh=args.mesh,
+                            sequence_parallel=args.sequence_parallel, override=args.override,
+                            resume=False, resume_or_start=False, no_progress=True)  # fmt: skip
+    cfg = train.build_config(ns)
+    V.validate(cfg, n_devices=cfg.mesh.devices)
+    return cfg
+
+
+def _load(path: str, as_json: bool) -> int:
+    from jaxpar.gpu.saved import load
+    from jaxpar.report import emit_json
+
+    got = load(path)
+    out = {
+        "file": path,
+        "format": got.saved.format,
+        "versions": got.saved.versions,
+        "target": got.saved.target,
+        "run": got.saved.run,
+        "executables": got.executables,
+        "sha256": got.digest,
+        "arguments": len(__import__("jax").tree.leaves(got.args)),
+        "loaded": got.compiled is not None,
+        "why_not_loaded": got.why_not_loaded,
+    }
+    if as_json:
+        emit_json(out)
+    else:
+        print(f"{path}: {got.saved.target['gpu']} {got.saved.target['topology']}, "
+              f"{out['arguments']} arguments, executable sha256 {got.digest[:16]}..; "
+              + ("loaded" if out["loaded"] else f"not loaded: {got.why_not_loaded}"))  # fmt: skip
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compile and report; bad input is refused in one line (exit 2) before compiling."""
+    from jaxpar.errors import ConfigError
+    from jaxpar.gpu.targets import require_plugin, target_for
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the process itself runs on the CPU
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
+    if args.load:
+        return _load(args.load, args.json)
+    cfg = build_config(args)
+    if args.save and os.path.exists(args.save):
+        raise ConfigError(f"--save {args.save!r}: file exists; refusing to overwrite it")
+    plug = require_plugin()
+    target = target_for(cfg.mesh, plug)
+    from jaxpar.gpu.compile import apply_flags, compile_step
+    from jaxpar.gpu.report import report
+    from jaxpar.report import emit_json, human_bytes
+
+    flags = apply_flags(list(cfg.mesh.hardware.xla_flags), plug.module)
+    compiled = compile_step(cfg, target, flags)
+    out = report(cfg, compiled)
+    if args.hlo:
+        with open(args.hlo, "x") as f:
+            f.write(compiled.compiled.as_text())
+    if args.save:
+        from jaxpar.gpu.saved import save
+
+        run_info = {"model": cfg.model.name, "mesh": cfg.mesh.name, "layout": out["layout"]}
+        out["saved"] = {"file": args.save,
+                        "bytes": save(args.save, compiled.compiled, target, run_info)}  # fmt: skip
+    if args.json:
+        emit_json(out)
+        return 0
+    m, ov = out["memory"], out["overlap"]
+    print(
+        f"{cfg.model.name} on {cfg.mesh.name} ({target.spec.name}, {target.topology}): "
+        f"compiled in {out['compile_seconds']:.1f} s, attention {out['attention']['chosen']}"
+    )
+    print(
+        f"memory per device {human_bytes(m['total'])} (temp {human_bytes(m['temp'])}); "
+        f"planner {human_bytes(m['planner_bytes'])}, ratio {m['ratio']:.2f}; "
+        + ("fits" if m["fits"] else "does NOT fit")
+        + f" {human_bytes(m['usable_bytes'])}"
+    )
+    for name, a in sorted(out["collectives"].items()):
+        plan = a.get("planner_wire_bytes")
+        print(f"  {name:<10} x{a['count']:<8.0f} {human_bytes(a['wire_bytes']):>11} on the wire"
+              + (f", planner {human_bytes(plan)}" if plan is not None else "")
+              + f", exposed {a.get('exposed_share', 0.0):.0%}")  # fmt: skip
+    print(f"collective bytes synchronous {ov['sync_share']:.0%}, exposed {ov['exposed_share']:.0%}")
+    return 0

@@ -1,0 +1,189 @@
+"""jaxpar compile: the train step compiled for GPU pods by XLA:GPU on this CPU machine.
+
+The compiles run ``jaxpar compile`` in a subprocess (XLA reads ``XLA_FLAGS`` once per process,
+and the mesh's GPU flags must be there before the GPU compiler starts). They need the jax CUDA
+plugin, which the ``test`` extra installs (``jax[cuda12-local]``): without it these tests fail
+saying so, they are not skipped.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import MODEL_YAML
+
+from jaxpar import config as C
+from jaxpar.cli import cpu_unless_gpu
+from jaxpar.errors import ConfigError
+from jaxpar.gpu import targets as T
+
+GPU_MESHES = ("a100-8", "a100-40gb-8", "a100-64", "h100-8", "h100-1024", "h200-8")
+PLUGIN = T.Plugin("jax_cuda12_plugin", "0", (12, 9), (9, 8, 0))  # for tests that compile nothing
+
+
+def _plugin_or_fail() -> None:
+    if T.plugin() is None:
+        pytest.fail("the jax CUDA plugin is missing: pip install -e '.[test]' installs it")
+
+
+def _compile(tmp_path, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
+    model = tmp_path / "model.yaml"
+    model.write_text(MODEL_YAML)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "jaxpar.cli", "compile", "--model", str(model),
+           "--global-batch", "8", "--seq-len", "64", *flags]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _report(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_gpu_mesh_names_its_target():
+    """Each GPU mesh file names a kind whose proto carries its published figures, and its
+    devices divide into nodes; bad kinds and topologies are refused in one line."""
+    seen = set()
+    for name in GPU_MESHES:
+        mesh = C.load_mesh(name)
+        t = T.target_for(mesh, PLUGIN)
+        seen.add(t.spec.kind)
+        assert t.hosts * t.per_host == mesh.devices and t.per_host <= mesh.hardware.devices_per_node
+        text = t.config_text
+        major, minor = t.spec.compute_capability
+        assert f"major: {major} minor: {minor}" in text
+        assert f"core_count: {t.spec.core_count}" in text and 'platform_name: "CUDA"' in text
+        assert "dnn_version_info { major: 9 minor: 8 patch: 0 }" in text
+    assert seen == set(T.KINDS)
+    assert T.target_for(C.load_mesh("a100-64"), PLUGIN).topology == "1x8x8"
+    mesh = C.load_mesh("h100-8")
+    bad = dataclasses.replace(mesh, hardware=dataclasses.replace(mesh.hardware, gpu="b300"))
+    with pytest.raises(ConfigError, match=r"hardware.gpu='b300': unknown GPU kind; known: a100"):
+        T.target_for(bad, PLUGIN)
+    with pytest.raises(ConfigError, match=r"mesh.devices=12: must divide into nodes of .*=8"):
+        T.target_for(dataclasses.replace(mesh, devices=12), PLUGIN)
+    with pytest.raises(ConfigError, match="needs a GPU mesh file"):
+        T.target_for(C.load_mesh("cpu-8"), PLUGIN)
+
+
+def test_missing_plugin_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(T, "PLUGINS", (("jaxpar_no_such_plugin", "none"),))
+    with pytest.raises(ConfigError, match=r"not installed; install it with pip install "
+                       r"'jax-cuda12-plugin==.*' 'jax-cuda12-pjrt==.*'"):  # fmt: skip
+        T.require_plugin()
+
+
+def test_cli_runs_on_cpu_without_a_driver():
+    _plugin_or_fail()
+    env: dict[str, str] = {}
+    cpu_unless_gpu(env)
+    assert env == (
+        {} if os.path.exists("/proc/driver/nvidia/version") else {"JAX_PLATFORMS": "cpu"}
+    )
+    kept = {"JAX_PLATFORMS": "cuda"}
+    cpu_unless_gpu(kept)
+    assert kept == {"JAX_PLATFORMS": "cuda"}
+
+
+def test_unknown_xla_flag_refused_before_compiling(tmp_path):
+    """XLA would abort the process on it; jaxpar names it in one line first."""
+    _plugin_or_fail()
+    mesh = tmp_path / "pod.yaml"
+    text = (C.MESHES_DIR / "h100-8.yaml").read_text()
+    mesh.write_text(
+        text.replace("  xla_flags:\n", "  xla_flags:\n    - --xla_gpu_no_such_flag=1\n")
+    )
+    proc = _compile(tmp_path, "--mesh", str(mesh), "--tp", "2", "--dp", "4", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "jaxpar compile: error: hardware.xla_flags: '--xla_gpu_no_such_flag=1': not a flag of "
+        "the installed jax_cuda12_plugin's XLA"
+    ]
+
+
+def test_compile_3d_layout_on_h100_node(tmp_path):
+    """pp 2 x dp 2 x tp 2 in bf16 on an 8-GPU target: cuDNN attention in the program, the
+    collectives asynchronous, memory and per-axis bytes beside the planner's."""
+    _plugin_or_fail()
+    out = _report(_compile(tmp_path, "--mesh", "h100-8", "--pp", "2", "--dp", "2", "--tp", "2",
+                           "--zero", "1", "--microbatches", "4", "--json"))  # fmt: skip
+    assert out["target"]["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert out["attention"]["chosen"] == "cudnn"
+    calls = out["attention"]["in_program"]
+    assert calls.get("__cudnn$fmhaSoftmax", 0) > 0 and calls.get("__cudnn$fmhaSoftmaxBackward", 0)
+    ov = out["overlap"]
+    assert ov["asynchronous"] == ov["collectives"] > 0 and 0 < ov["synchronous"] < ov["collectives"]
+    assert 0.0 < ov["exposed_share"] < 1.0
+    mem = out["memory"]
+    assert mem["total"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    assert 0.5 < mem["ratio"] < 2.5 and mem["fits"]
+    axes = out["collectives"]
+    for axis in ("dp", "tp", "pp"):
+        assert axes[axis]["wire_bytes"] > 0 and 0.8 < axes[axis]["ratio"] < 1.25, axes[axis]
+    assert out["xla_flags"]["effective"]
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out["xla_flags"]["applied"]
+
+
+def test_compile_zero3_saves_and_loads(tmp_path):
+    """ZeRO-3 over dp 8: the gathers and reduce-scatters asynchronous; --save writes the
+    executable once (a second --save into the file is refused) and --load checks it here."""
+    _plugin_or_fail()
+    exe = tmp_path / "step.jaxpar"
+    layout = ("--dp", "8", "--tp", "1", "--pp", "1", "--zero", "3")
+    out = _report(_compile(tmp_path, "--mesh", "a100-8", *layout, "--save", str(exe), "--json"))
+    assert out["attention"]["chosen"] == "cudnn" and out["attention"]["in_program"]
+    dp = out["collectives"]["dp"]
+    kinds = dp["by_kind"]
+    assert kinds["all-gather"]["count"] > 0 and kinds["reduce-scatter"]["count"] > 0
+    assert 0.8 < dp["ratio"] < 1.25 and 0.5 < out["memory"]["ratio"] < 2.5
+    assert out["saved"]["bytes"] == exe.stat().st_size > 0
+    again = _compile(tmp_path, "--mesh", "a100-8", *layout, "--save", str(exe), check=False)
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"jaxpar compile: error: --save '{exe}': file exists; refusing to overwrite it"
+    ]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
+    )
+    cmd = [sys.executable, "-m", "jaxpar.cli", "compile", "--load", str(exe), "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["target"]["gpu"] == "a100-sxm4-80gb" and got["executables"] == 1
+    assert got["arguments"] > 10 and len(got["sha256"]) == 64
+    assert got["loaded"] is os.path.exists("/proc/driver/nvidia/version")
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_per_leaf_collectives_match_single_device(monkeypatch, zero):
+    """The GPU targets' ZeRO form (one gather and one reduce-scatter per leaf, not one per
+    layer or gradient: reduce.packed_collectives), run on CPU devices: loss and every gradient
+    leaf of dp 4 x tp 2 with 2 micro-batches equal one device's."""
+    import jax
+    import numpy as np
+    from conftest import small_config
+
+    from jaxpar.data import Batches, load_corpus
+    from jaxpar.devices import make_mesh
+    from jaxpar.train import reduce
+    from jaxpar.train.step import Trainer
+
+    def grads(cfg):
+        tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
+        t = cfg.train
+        batch = Batches(load_corpus("stdlib", 256), t.global_batch, t.seq_len, seed=3)
+        loss, g = tr.grads(tr.init_state(0)["params"], batch.global_array(0, tr.batch_sharding))
+        return float(loss), jax.tree.map(np.asarray, g)
+
+    ref_loss, ref = grads(small_config(dp=1))
+    calls = []
+    monkeypatch.setattr(reduce, "packed_collectives", lambda: calls.append(1) or False)
+    loss, g = grads(small_config(dp=4, tp=2, zero=zero, microbatches=2))
+    assert calls  # the per-leaf form ran
+    assert abs(loss / ref_loss - 1) < 1e-5
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), g, ref)
