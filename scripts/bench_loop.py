@@ -8,7 +8,8 @@ machine load. The worker wraps ``Trainer.step`` (the same code in both trees) to
 - ``gap_s``: from the moment a step's loss is ready on the device (a watcher thread waits for it)
   to the next step's dispatch. Positive: the device had nothing queued for that long, waiting on
   the host; negative: the next step was already queued before this one finished;
-- ``idle_fraction``: the positive gaps' share of the run's time.
+- ``idle_fraction``: the positive gaps' share of the run's time;
+- ``dispatch_s``: how long the dispatch call itself takes (the same code in both trees).
 
 Shapes: ``default`` is ``jaxpar train``'s default job (tiny model, pp 2 × dp 2 × tp 2 on 8
 simulated CPU devices, 4 micro-batches, full remat); ``one`` is the one-device bench shape of
@@ -52,8 +53,9 @@ def _instrument():
 
     from jaxpar.train import step as step_mod
 
-    calls, ready = [], []
+    calls, returns, ready = [], [], []
     pending: queue.Queue = queue.Queue()
+    sys.setswitchinterval(1e-4)  # the watcher takes the GIL within 0.1 ms of a step's end
 
     def watch():
         while (loss := pending.get()) is not None:
@@ -66,6 +68,7 @@ def _instrument():
     def step(self, state, batch):
         calls.append(time.perf_counter())
         out = original(self, state, batch)
+        returns.append(time.perf_counter())
         pending.put(out[1]["loss"])
         return out
 
@@ -75,7 +78,7 @@ def _instrument():
         pending.put(None)
         while len(ready) < len(calls):
             time.sleep(0.01)
-        return calls, ready
+        return calls, returns, ready
 
     return finish
 
@@ -101,7 +104,7 @@ def worker(shape_name: str, steps: int) -> dict:
     t0 = time.perf_counter()
     out = run(cfg, devices=jax.devices()[: cfg.layout.n_devices], quiet=True)
     wall = time.perf_counter() - t0
-    calls, ready = finish()
+    calls, returns, ready = finish()
     skip = 2  # the first steps warm up
     period = [calls[i + 1] - calls[i] for i in range(skip, len(calls) - 1)]
     gap = [calls[i + 1] - ready[i] for i in range(skip, len(calls) - 1)]
@@ -110,6 +113,7 @@ def worker(shape_name: str, steps: int) -> dict:
         "period_s": statistics.median(period),
         "gap_s": statistics.median(gap),
         "idle_fraction": sum(max(0.0, g) for g in gap) / sum(period),
+        "dispatch_s": statistics.median(b - a for a, b in zip(calls, returns, strict=True)),
         "summary_step_time_s": out["step_time_s"],
         "final_loss": out["final_loss"],
         "run_s": wall,
