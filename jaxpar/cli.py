@@ -7,7 +7,8 @@ initialises.
 
 Every refusal is one line on stderr and exit code 2 — a bad flag (the parser's own errors), a
 bad configuration (:class:`~jaxpar.errors.JaxparError`) and an I/O failure (``OSError``: a
-full disk, a permission) alike — and every warning is one line too.
+full disk, a permission) alike — and every warning is one line too. A reader that closes
+stdout early (``| head``) ends the command quietly (exit 141, no error line).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
+import signal
 import sys
 import warnings
 
@@ -105,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"jaxpar {args.verb}"
     with one_line_warnings(prefix):
         try:
-            return int(args._module.run(args) or 0)
+            code = int(args._module.run(args) or 0)
+            sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+            return code
+        except BrokenPipeError:
+            return _reader_gone()
         except JaxparError as e:
             print(f"{prefix}: error: {one_line(e)}", file=sys.stderr)
             return 2
@@ -113,6 +120,21 @@ def main(argv: list[str] | None = None) -> int:
             where = f"{e.filename}: " if e.filename else ""
             print(f"{prefix}: error: {one_line(where + (e.strerror or str(e)))}", file=sys.stderr)
             return 2
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (``jaxpar plan ... | head``): end quietly, as a program
+    killed by SIGPIPE would (exit 128 + 13), with no error line. stdout now points at
+    ``/dev/null``, so the interpreter's last flush of the unwritten rest cannot fail again.
+    (SIGPIPE itself stays ignored, as Python sets it: a closed socket of a multi-host run must
+    raise, not kill the process.)"""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is no file (captured, replaced)
+        pass
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

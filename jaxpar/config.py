@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from jaxpar import typed
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, JaxparWarning
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO_ROOT / "models"
@@ -163,7 +164,6 @@ class TrainConfig:
     eval_data: str | None = None  # held-out .bin (default: the sidecar's validation file)
     eval_every: int = 50
     eval_batches: int = 4
-    log_every: int = 1
     checkpoint_dir: str | None = None
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
@@ -203,6 +203,27 @@ class RunConfig:
 # --------------------------------------------------------------------------------------------
 # Loading
 
+# Fields that are no longer read, per section: an old file or ``-o`` that sets one still runs,
+# with one warning line, since the field never changed what a run did.
+REMOVED_FIELDS: dict[str, dict[str, str]] = {
+    "TrainConfig": {
+        "log_every": "every step writes one metrics record (the field was never read)",
+    },
+}
+
+
+class ConfigWarning(JaxparWarning):
+    """A configuration sets a field that is no longer read."""
+
+
+def _removed(cls: type, key: str, where: str) -> bool:
+    """Warn (one line) and return True when ``key`` is a removed field of ``cls``."""
+    why = REMOVED_FIELDS.get(cls.__name__, {}).get(key)
+    if why is not None:
+        warnings.warn(f"{where}: no longer a field, ignored: {why}; remove it", ConfigWarning,
+                      stacklevel=3)  # fmt: skip
+    return why is not None
+
 
 def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     """Build dataclass ``cls`` from ``data``: unknown fields refused with a suggestion, every
@@ -212,6 +233,8 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     known = {f.name: f for f in fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
+        if key not in known and _removed(cls, str(key), f"{where}.{key}"):
+            continue
         if key not in known:
             hint = difflib.get_close_matches(str(key), known, n=1)
             extra = f" (did you mean '{hint[0]}'?)" if hint else ""
@@ -315,6 +338,8 @@ def override(cfg: RunConfig, dotted: str, value: Any) -> None:
         if not dataclasses.is_dataclass(obj):
             raise ConfigError(f"{where}: unknown field ({'.'.join(parts[:i])} is a value)")
         known = {f.name: f for f in fields(obj)}
+        if part not in known and i == len(parts) - 1 and _removed(type(obj), part, dotted):
+            return
         if part not in known:
             hint = difflib.get_close_matches(part, known, n=1)
             extra = f" (did you mean '{hint[0]}'?)" if hint else ""

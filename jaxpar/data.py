@@ -222,9 +222,10 @@ def token_file_corpus(path: str, dtype: str, eval_path: str | None = None) -> Co
                 f"train.data={path!r} ({heldout.tokenizer} vs {train.tokenizer})"
             )
         tokens, held = train.tokens, heldout.tokens
-        vocab, note = max(
-            (train.vocab_size, train.vocab_note), (heldout.vocab_size, heldout.vocab_note)
-        )
+        # The file that needs the larger vocabulary names it; on a tie, the training file (a
+        # tuple max would compare the notes and name whichever sorts last).
+        bigger = heldout if heldout.vocab_size > train.vocab_size else train
+        vocab, note = bigger.vocab_size, bigger.vocab_note
     return Corpus(tokens, held, vocab, train.path.name, note, train.tokenizer)
 
 

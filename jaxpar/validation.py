@@ -155,7 +155,7 @@ def _check_hardware(mesh: MeshConfig) -> None:
 
 
 def _check_train(t: TrainConfig) -> None:
-    for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every",
+    for name in ("steps", "global_batch", "seq_len", "eval_batches",
                  "checkpoint_every", "keep_checkpoints"):  # fmt: skip
         _positive(f"train.{name}", getattr(t, name))
     for name, note in (("warmup_steps", ""), ("eval_every", " (0: only at the end)"),

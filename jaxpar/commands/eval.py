@@ -33,10 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def evaluate(src, tokens, max_batches: int | None = None):
-    """Mean loss over consecutive windows of ``tokens`` (see
-    :class:`jaxpar.data.SequentialBatches`); returns the ``--json`` fields."""
+    """Mean loss over the first ``max_batches`` (default: all) batches of consecutive windows of
+    ``tokens`` (see :class:`jaxpar.data.SequentialBatches`): the measure of training's held-out
+    loss (:func:`jaxpar.train.hooks.heldout_loss`, ``--max-batches`` = ``train.eval_batches``).
+    Returns the ``--json`` fields: ``batches`` evaluated of ``batches_available``."""
     from jaxpar import inference
     from jaxpar.data import SequentialBatches
+    from jaxpar.train.hooks import heldout_loss
     from jaxpar.train.step import Trainer
 
     t = src.cfg.train
@@ -47,15 +50,12 @@ def evaluate(src, tokens, max_batches: int | None = None):
     # Weights on disk are in canonical form; a pipeline keeps its own form at rest.
     params = trainer.convert(inference.load_params(src, trainer.canonical_param_shardings), "rest")
     t0 = time.perf_counter()
-    losses = [
-        float(trainer.eval_loss(params, batches.global_array(i, trainer.batch_sharding)))
-        for i in range(n)
-    ]
-    loss = sum(losses) / n
+    loss = heldout_loss(trainer, params, batches, n)
     return {
         "loss": loss,
         "perplexity": math.exp(loss) if loss < 700 else None,
         "batches": n,
+        "batches_available": batches.steps,
         "tokens": n * t.global_batch * t.seq_len,
         "seconds": time.perf_counter() - t0,
         "devices": len(mesh.devices.flat),
@@ -104,7 +104,14 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{args.data}: loss {result['loss']:.4f} nats/token, perplexity "
             f"{'inf' if ppl is None else f'{ppl:.2f}'} over {result['tokens']:,} tokens "
-            f"({result['batches']} batches of {src.cfg.train.global_batch} x "
+            f"({_which(result)} of {src.cfg.train.global_batch} x "
             f"{src.cfg.train.seq_len}; pp={lay.pp} dp={lay.dp} sp={lay.sp} tp={lay.tp})"
         )
     return 0
+
+
+def _which(result: dict) -> str:
+    """``all 12 batches`` or ``the first 4 of 12 batches`` (consecutive windows): training's
+    held-out loss is the latter with ``train.eval_batches``."""
+    n, of = result["batches"], result["batches_available"]
+    return f"all {n} batches" if n == of else f"the first {n} of {of} batches"

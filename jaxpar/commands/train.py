@@ -318,9 +318,11 @@ def run(args: argparse.Namespace) -> int:
             if result["diverged_steps"]
             else ""
         )
+        # the measure of `jaxpar eval --max-batches N` on the same held-out tokens
+        held = f"{ev:.4f} (first {result['eval_batches']} batches)" if ev is not None else "n/a"
         print(
             f"final loss {result['final_loss']:.4f}, held-out loss "
-            f"{'n/a' if ev is None else f'{ev:.4f}'}, {result['tokens_per_s']:,.0f} tokens/s, "
+            f"{held}, {result['tokens_per_s']:,.0f} tokens/s, "
             f"{result['step_time_s'] * 1e3:.1f} ms/step{skipped}"
         )
     return code

@@ -1,5 +1,7 @@
-"""Training: the step (:mod:`~jaxpar.train.step`), the loop (:mod:`~jaxpar.train.loop`) and
-what lets a run survive (:mod:`~jaxpar.train.guard`).
+"""Training: the step (:mod:`~jaxpar.train.step`), the run (:mod:`~jaxpar.train.loop`), the
+loop's core and its hooks (:mod:`~jaxpar.train.core`, :mod:`~jaxpar.train.hooks`,
+:mod:`~jaxpar.train.checkpointing`) and what lets a run survive (:mod:`~jaxpar.train.preempt`,
+:mod:`~jaxpar.train.nonfinite`).
 
 This package's own namespace imports no JAX: :func:`load_data` also serves ``--dry-run``.
 """

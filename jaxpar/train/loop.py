@@ -1,23 +1,27 @@
-"""The training loop: data, steps, progress, metrics, held-out loss and checkpoints."""
+"""The training run: set up (validate, lock, resume or initialise, compile), then the loop.
+
+:func:`run` builds the run's hooks (:mod:`jaxpar.train.hooks`, :mod:`jaxpar.train.checkpointing`)
+and hands them to the loop's core (:func:`jaxpar.train.core.train_loop`: data → step → metrics,
+metrics read one step late), then gathers the summary: the core's keys and each hook's.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
 import statistics
 import sys
 import time
-import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxpar import config as C
 from jaxpar import validation as V
-from jaxpar.checkpoint import Checkpointer, CheckpointWarning, check_model_matches
-from jaxpar.data import Batches
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.data import Batches, SequentialBatches
 from jaxpar.devices import make_mesh
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.lock import LOCK_NAME, RunLock
@@ -25,14 +29,28 @@ from jaxpar.metrics import MetricsLog, Progress, device_memory
 from jaxpar.model.attention import implementation_for
 from jaxpar.profiling import StepProfiler
 from jaxpar.train import load_data
-from jaxpar.train.guard import (
-    Divergence,
-    StopRequest,
-    TensorBoard,
-    nonfinite_leaves,
-    write_nonfinite_report,
+from jaxpar.train.checkpointing import (
+    CheckpointHook,
+    ExportHook,
+    Saver,
+    open_checkpoints,
+    restore,
 )
+from jaxpar.train.core import Hook, LoopContext, Sinks, train_loop
+from jaxpar.train.hooks import (
+    DivergenceHook,
+    EvalHook,
+    MetricsHook,
+    PreemptionHook,
+    ProfilerHook,
+    ProgressHook,
+)
+from jaxpar.train.nonfinite import Divergence
+from jaxpar.train.preempt import StopRequest
 from jaxpar.train.step import Trainer
+from jaxpar.train.tensorboard import TensorBoard
+
+_open_checkpoints = open_checkpoints  # the name existing callers import
 
 
 def _devices_for(cfg: C.RunConfig, devices):
@@ -51,16 +69,27 @@ def _devices_for(cfg: C.RunConfig, devices):
     return list(devices)
 
 
-def evaluate(trainer: Trainer, params, batches: Batches, n: int) -> float:
-    """Mean held-out loss over ``n`` fixed held-out batches."""
-    losses = [
-        trainer.eval_loss(params, batches.global_array(i, trainer.batch_sharding, "heldout"))
-        for i in range(n)
-    ]
-    return float(np.mean([float(x) for x in losses]))
+@dataclasses.dataclass
+class RunParts:
+    """What :func:`run` sets up before the loop (all of it validated before compiling)."""
+
+    cfg: C.RunConfig
+    trainer: Trainer
+    batches: Batches
+    heldout: SequentialBatches | None  # the evaluation's batches (None: no evaluation)
+    checkpointer: Checkpointer | None
+    resume_step: int | None
+    tensorboard: TensorBoard | None
+    profiler: StepProfiler
+    stop: StopRequest
+    quiet: bool
+    devices: list
+    extra_hooks: list[Hook]  # the caller's, after jaxpar's own
 
 
-def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
+def run(
+    cfg: C.RunConfig, devices=None, quiet: bool = False, hooks: Sequence[Hook] = ()
+) -> dict[str, Any]:
     """Train as configured and return the run's summary (the ``--json`` object).
 
     ``devices`` defaults to all of JAX's devices; tests pass a subset (e.g. one device for the
@@ -68,11 +97,13 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
     directory is locked for this run (:mod:`jaxpar.lock`). A SIGTERM/SIGINT ends the run after
     an agreed step with a checkpoint (``"preempted"`` in the summary); a non-finite or
     blown-up step is skipped or stops the run per ``train.on_nonfinite`` and the divergence
-    budget ``train.max_skipped_steps``.
+    budget ``train.max_skipped_steps``. ``hooks`` run after jaxpar's own (each phase in order;
+    :class:`jaxpar.train.core.Hook`), and their summaries join the returned one.
     """
     V.validate(cfg, n_devices=len(devices) if devices is not None else cfg.mesh.devices)
     t = cfg.train
     batches = Batches(load_data(cfg), t.global_batch, t.seq_len, t.seed)
+    heldout = _heldout(batches) if t.eval_every else None
     profiler = StepProfiler.from_config(t)
     if t.init_from_hf and t.resume:
         raise ConfigError(
@@ -82,7 +113,7 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         )
     locks = _lock_outputs(cfg)
     try:
-        ckpt, resume_step = _open_checkpoints(cfg)
+        ckpt, resume_step = open_checkpoints(cfg)
         if t.init_from_hf and resume_step is None:
             from jaxpar.model import hf
 
@@ -90,37 +121,25 @@ def run(cfg: C.RunConfig, devices=None, quiet: bool = False) -> dict[str, Any]:
         tb = TensorBoard(t.tensorboard_dir) if t.tensorboard_dir else None
         devices = _devices_for(cfg, devices)
         attention = implementation_for(cfg, devices[0])  # refuses e.g. cudnn on CPU, pre-compile
-        mesh = make_mesh(cfg.layout, devices)
-        trainer = Trainer(cfg, mesh)
+        trainer = Trainer(cfg, make_mesh(cfg.layout, devices))
         with StopRequest(multi_process=jax.process_count() > 1) as stop:
-            start, meta = 0, {}
-            if resume_step is not None:
-                abstract = trainer.canonical_abstract_state()  # what checkpoints hold
-                ckpt.check_shapes(resume_step, abstract)  # names the parameter and both shapes
-                meta = ckpt.read_meta(resume_step)
-                check_model_matches(meta, cfg.model)
-                _warn_data_changes(meta, cfg)
-                # Read straight into this run's shardings, whatever layout wrote the checkpoint.
-                state, meta = ckpt.restore(resume_step, abstract)
-                state = trainer.convert(state, "rest")
-                start = int(meta.get("data_position", resume_step))
-            else:
-                state = trainer.init_state(t.seed)
-                if t.init_from_hf:
-                    params = hf.load(t.init_from_hf, cfg.model, trainer.canonical_param_shardings)
-                    state["params"] = trainer.convert(params, "rest")
-            div = Divergence(t.max_skipped_steps, t.divergence_factor, meta.get("first_loss"),
-                             int(meta.get("diverged_steps", 0)))  # fmt: skip
-            out = _train(
-                cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices, div
-            )
-            from jaxpar import hostmem
+            parts = RunParts(cfg, trainer, batches, heldout, ckpt, resume_step, tb, profiler,
+                             stop, quiet, devices, list(hooks))  # fmt: skip
+            out = _train(parts)
+        from jaxpar import hostmem
 
-            # jaxpar.hostmem's answer on CPU, None elsewhere (as `jaxpar bench` reports it).
-            return {**out, "attention": attention, "host_allocator": hostmem.state()}
+        # jaxpar.hostmem's answer on CPU, None elsewhere (as `jaxpar bench` reports it).
+        return {**out, "attention": attention, "host_allocator": hostmem.state()}
     finally:
         for lock in locks:
             lock.release()
+
+
+def _heldout(batches: Batches) -> SequentialBatches:
+    """The held-out split as consecutive windows (:func:`jaxpar.train.hooks.heldout_loss`)."""
+    corpus = batches.corpus
+    name = f"held-out split of {corpus.name} ({len(corpus.heldout)} tokens)"
+    return SequentialBatches(corpus.heldout, batches.global_batch, batches.seq_len, name)
 
 
 def _metrics_path(cfg: C.RunConfig) -> str | None:
@@ -163,249 +182,125 @@ def _lock_outputs(cfg: C.RunConfig) -> list[RunLock]:
     return locks
 
 
-def _train(
-    cfg, trainer, state, start, batches, ckpt, tb, profiler, stop, quiet, devices, div
-) -> dict[str, Any]:
-    t = cfg.train
+@contextlib.contextmanager
+def _announce(text: str, enabled: bool) -> Iterator[None]:
+    """``jaxpar: TEXT ...`` on stderr, then the seconds the block took, on the same line."""
+    if not enabled:
+        yield
+        return
+    print(f"jaxpar: {text} ...", end="", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print(file=sys.stderr, flush=True)  # the error's line starts a line of its own
+        raise
+    print(f" {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def _initial_state(p: RunParts, announce: bool) -> tuple[dict, int, dict, float]:
+    """The state to start from (restored, or initialised, optionally from Hugging Face
+    weights), its step, the checkpoint's record, and the step's compile time."""
+    cfg, trainer, t = p.cfg, p.trainer, p.cfg.train
+    state, start, meta = None, 0, {}
+    if p.resume_step is not None:  # may warn (data changes, broken checkpoints): before the line
+        state, meta, start = restore(trainer, p.checkpointer, p.resume_step, cfg)
+    lay = cfg.layout
+    what = (f"compiling the train step ({cfg.model.name}, {len(p.devices)} "
+            f"{p.devices[0].platform} devices: pp={lay.pp} dp={lay.dp} sp={lay.sp} tp={lay.tp} "
+            f"zero={lay.zero})")  # fmt: skip
+    with _announce(what, announce):
+        if state is None:
+            state = trainer.init_state(t.seed)
+            if t.init_from_hf:
+                from jaxpar.model import hf
+
+                params = hf.load(t.init_from_hf, cfg.model, trainer.canonical_param_shardings)
+                state["params"] = trainer.convert(params, "rest")
+        t0 = time.perf_counter()
+        trainer.compile_step()
+        compile_s = time.perf_counter() - t0
+    return state, start, meta, compile_s
+
+
+def _hooks(p: RunParts, div: Divergence) -> list[Hook]:
+    """The run's hooks, in the order they run (see :mod:`jaxpar.train.hooks`)."""
+    t = p.cfg.train
+    hooks: list[Hook] = [
+        DivergenceHook(div),
+        MetricsHook(),
+        ProgressHook(),
+        ProfilerHook(p.profiler),
+    ]
+    if p.heldout is not None:
+        hooks.append(EvalHook(t.eval_every, p.heldout, min(t.eval_batches, p.heldout.steps)))
+    hooks.append(PreemptionHook(p.stop))  # before the checkpoint: a preemption forces a save
+    if p.checkpointer is not None:
+        hooks.append(CheckpointHook(Saver(p.checkpointer), div))
+    if t.export_hf:
+        hooks.append(ExportHook(t.export_hf))
+    return hooks + p.extra_hooks
+
+
+def _train(p: RunParts) -> dict[str, Any]:
+    cfg, t = p.cfg, p.cfg.train
+    show = t.progress and not p.quiet
+    state, start, meta, compile_s = _initial_state(p, announce=show)
+    div = Divergence(t.max_skipped_steps, t.divergence_factor, meta.get("first_loss"),
+                     int(meta.get("diverged_steps", 0)))  # fmt: skip
     # A run that continues a directory (resume, or the directory's own metrics file) drops
     # the records an earlier attempt wrote after the step this run starts from.
     continues = t.resume or t.resume_or_start or not t.metrics_file
     log = MetricsLog(_metrics_path(cfg), keep_until=start if continues else None)
-    t0 = time.perf_counter()
-    trainer.compile_step()
-    compile_s = time.perf_counter() - t0
-    memory = device_memory(trainer)
-    log.write(
-        {
-            "event": "start",
-            "step": start,
-            "layout": dataclasses.asdict(cfg.layout),
-            "params": cfg.model.param_count(),
-            "compile_s": compile_s,
-            "memory": memory,
-            "dropped_records": log.dropped,
-        }
-    )
-
-    tokens_per_step = t.global_batch * t.seq_len
-    progress = Progress(t.steps, start, enabled=t.progress and not quiet)
-    losses, times, evals, skipped, sync = [], [], [], 0, []
-    eval_loss = None
-    stopped = report = None
-    done = saved_at = start
+    memory = device_memory(p.trainer)
+    log.write({"event": "start", "step": start, "layout": dataclasses.asdict(cfg.layout),
+               "params": cfg.model.param_count(), "compile_s": compile_s, "memory": memory,
+               "dropped_records": log.dropped})  # fmt: skip
+    sinks = Sinks(log, Progress(t.steps, start, enabled=show), p.tensorboard)
+    ctx = LoopContext(cfg, p.trainer, p.batches, state, start, sinks,
+                      checkpointed=start if p.checkpointer is not None else None)  # fmt: skip
+    hooks = _hooks(p, div)
     try:
-        for step in range(start, t.steps):
-            batch = batches.global_array(step, trainer.batch_sharding)
-            profiler.begin(step + 1)
-            t1 = time.perf_counter()
-            state, m = trainer.step(state, batch)
-            loss = float(m["loss"])
-            dt = time.perf_counter() - t1
-            profiler.end(step + 1)
-            finite = bool(m["finite"])
-            times.append(dt)
-            losses.append(loss)
-            done = step + 1
-            rec = {
-                "step": done,
-                "loss": loss,
-                "grad_norm": float(m["grad_norm"]),
-                "lr": float(m["lr"]),
-                "step_time_s": dt,
-                "tokens_per_s": tokens_per_step / dt,
-            }
-            why = div.check(done, loss, finite)
-            if not finite:
-                # The step already kept the previous params and optimizer state (see Trainer).
-                skipped += 1
-                rec["nonfinite"] = True
-                rec["nonfinite_leaves"] = nonfinite_leaves(m["leaf_finite"])
-            if why:
-                rec["diverged"] = why
-            log.write(rec)
-            if why and (t.on_nonfinite == "stop" or div.exceeded):
-                report = str(_write_report(cfg, rec, saved_at if ckpt else None, div))
-                rule = (
-                    f"more than --max-skipped-steps {t.max_skipped_steps} steps diverged "
-                    f"({div.counted}, the first at step {div.first_step})"
-                    if t.on_nonfinite == "skip"
-                    else "--on-nonfinite stop"
-                )
-                stopped = f"step {done}: {why}; stopping: {rule} (diagnostic: {report})"
-                print(f"jaxpar: {stopped}", file=sys.stderr, flush=True)
-                break
-            if why:
-                progress.warn(f"jaxpar: warning: step {done}: {why} ({div.note()})")
-            if tb is not None:
-                tb.scalars(done, {k: rec[k] for k in ("loss", "grad_norm", "lr", "tokens_per_s")})
-            progress.update(done, loss, tokens_per_step / dt, dt)
-            if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
-                eval_loss = evaluate(trainer, state["params"], batches, t.eval_batches)
-                evals.append({"step": done, "eval_loss": eval_loss})
-                log.write({"step": done, "eval_loss": eval_loss})
-                if tb is not None:
-                    tb.scalars(done, {"eval_loss": eval_loss})
-                progress.note(f"step {done}: held-out loss {eval_loss:.4f}")
-            t2 = time.perf_counter()
-            stop_now = stop.should_stop(done)
-            sync.append(time.perf_counter() - t2)
-            # No periodic checkpoint at a diverged step: a run that keeps skipping must not
-            # rotate its healthy checkpoints out. The final and the preemption checkpoint are
-            # written (they keep the data position).
-            force = done == t.steps or stop_now
-            if ckpt is not None and (force or not why) and ckpt.due(done, force):
-                # Checkpoints hold the canonical form, whatever the layout's form at rest.
-                canonical = trainer.convert(state, "canonical")
-                if ckpt.save(
-                    done, canonical, _meta(cfg, done, div, batches.corpus.tokenizer), force=force
-                ):
-                    saved_at = done
-            if stop_now:
-                break
-        preempted = stop.signal_name
-        if preempted:
-            log.write({"event": "preempted", "signal": preempted, "step": done})
-        if t.export_hf:
-            from jaxpar.model import hf
+        train_loop(ctx, hooks)
+        for h in hooks:
+            h.on_end(ctx)
+    finally:  # also on an error (e.g. a failed save): finish saves, flush metrics, release files
+        try:
+            for h in hooks:
+                h.close()
+        finally:
+            sinks.close()
+    return _summary(ctx, hooks, p, compile_s, memory)
 
-            hf.export(trainer.convert(state["params"], "canonical"), cfg.model, t.export_hf)
-    finally:  # also on an error (e.g. a failed save): flush metrics, release files
-        progress.close()
-        profiler.close()
-        if ckpt is not None:
-            ckpt.close()
-        if tb is not None:
-            tb.close()
-        log.close()
 
-    steady = times[1:] or times
+def _summary(ctx: LoopContext, hooks: list[Hook], p: RunParts, compile_s: float, memory) -> dict:
+    """The core's keys of the run's summary, then every hook's."""
+    cfg, t = ctx.cfg, ctx.cfg.train
+    steady = ctx.step_times[1:] or ctx.step_times
     step_time = statistics.median(steady) if steady else float("nan")
-    return {
-        "losses": losses,
-        "final_loss": losses[-1] if losses else None,
-        "eval_loss": eval_loss,
-        "evals": evals,
-        "start_step": start,
-        "end_step": done,
+    out: dict[str, Any] = {
+        "losses": ctx.losses,
+        "final_loss": ctx.losses[-1] if ctx.losses else None,
+        "eval_loss": None,
+        "evals": [],
+        "eval_batches": None,
+        "start_step": ctx.start,
+        "end_step": ctx.done,
         "steps": t.steps,
-        "skipped_steps": skipped,
-        "diverged_steps": div.counted,
-        "max_skipped_steps": t.max_skipped_steps,
-        "stopped": stopped,
-        "nonfinite_report": report,
-        "preempted": preempted,
-        "checkpoint_step": saved_at if ckpt is not None and saved_at else None,
-        "tokens_per_s": tokens_per_step / step_time if steady else None,
+        "checkpoint_step": ctx.checkpointed or None,
+        "tokens_per_s": ctx.tokens_per_step / step_time if steady else None,
         "step_time_s": step_time,
         "compile_time_s": compile_s,
         "params": cfg.model.param_count(),
         "memory": memory,
         # What the compiled step does over dp (jaxpar.train.reduce.REDUCTION_NAMES).
-        "layout": {**dataclasses.asdict(cfg.layout), "dp_reduction": trainer.dp_reduction},
+        "layout": {**dataclasses.asdict(cfg.layout), "dp_reduction": ctx.trainer.dp_reduction},
         "model": cfg.model.name,
         "mesh": cfg.mesh.name,
-        "devices": len(devices),
-        "platform": devices[0].platform,
+        "devices": len(p.devices),
+        "platform": p.devices[0].platform,
         "processes": jax.process_count(),
-        "profiled_steps": profiler.traced,
-        "stop_check_s": statistics.median(sync) if sync else None,
     }
-
-
-def _meta(
-    cfg: C.RunConfig, step: int, div: Divergence, tokenizer: dict | None = None
-) -> dict[str, Any]:
-    t = cfg.train
-    return {
-        "step": step,
-        # the divergence budget continues across resumes
-        "first_loss": div.first_loss,
-        "diverged_steps": div.counted,
-        # Batches are a pure function of (seed, step): the step is the whole data position.
-        "data_position": step,
-        "model": dataclasses.asdict(cfg.model),
-        "layout": dataclasses.asdict(cfg.layout),
-        "seed": t.seed,
-        "data": {"source": t.data, "global_batch": t.global_batch, "seq_len": t.seq_len},
-        # What `jaxpar generate` decodes this model's tokens with.
-        "tokenizer": tokenizer,
-    }
-
-
-def _warn_data_changes(meta: dict[str, Any], cfg: C.RunConfig) -> None:
-    """A resume with another seed or batch shape continues, but not bitwise like the original."""
-    t = cfg.train
-    saved = {"seed": meta.get("seed"), **meta.get("data", {})}
-    mine = {"seed": t.seed, "source": t.data, "global_batch": t.global_batch, "seq_len": t.seq_len}
-    for k, v in mine.items():
-        if saved.get(k) is not None and saved[k] != v:
-            warnings.warn(
-                f"resuming with {k}={v!r} but the checkpoint was written with {k}={saved[k]!r}: "
-                "the data order differs from the original run",
-                CheckpointWarning,
-                stacklevel=3,
-            )
-
-
-def _write_report(cfg: C.RunConfig, rec: dict[str, Any], last_checkpoint: int | None, div):
-    """Diagnostic of the step that stopped the run, next to the checkpoints (or metrics, or in
-    the cwd)."""
-    t = cfg.train
-    base = t.checkpoint_dir or (str(Path(t.metrics_file).parent) if t.metrics_file else ".")
-    applied = "nonfinite" not in rec
-    record = {
-        **{k: rec[k] for k in ("step", "loss", "grad_norm", "lr")},
-        "nonfinite_leaves": rec.get("nonfinite_leaves", []),
-        "why": rec.get("diverged"),
-        "loss_finite": math.isfinite(rec["loss"]),
-        "grad_norm_finite": math.isfinite(rec["grad_norm"]),
-        "policy": t.on_nonfinite,
-        "diverged_steps": div.counted,
-        "first_diverged_step": div.first_step,
-        "max_skipped_steps": t.max_skipped_steps,
-        "first_loss": div.first_loss,
-        "last_checkpoint_step": last_checkpoint,
-        "note": (
-            "the loss of step N is that of the weights after step N-1, so checkpoints before "
-            "step first_diverged_step - 1 predate the divergence; "
-            + ("this step's update was applied" if applied else "this update was not applied")
-            + " and its state was not checkpointed"
-        ),
-    }
-    return write_nonfinite_report(Path(base) / f"nonfinite-step{rec['step']}.json", record)
-
-
-def _open_checkpoints(cfg: C.RunConfig) -> tuple[Checkpointer | None, int | None]:
-    """The checkpointer and the step to resume from (None: start fresh); refuses to
-    overwrite, and to resume without a complete checkpoint unless ``resume_or_start``."""
-    t = cfg.train
-    want_resume = t.resume or t.resume_or_start
-    if not t.checkpoint_dir:
-        if want_resume:
-            raise ConfigError("train.resume=True: needs train.checkpoint_dir (--checkpoint-dir)")
-        return None, None
-    ckpt = Checkpointer(t.checkpoint_dir, keep=t.keep_checkpoints, every=t.checkpoint_every)
-    existing = ckpt.all_steps()
-    if not want_resume:
-        if existing:
-            raise CheckpointError(
-                f"train.checkpoint_dir={t.checkpoint_dir!r}: already holds checkpoints up to "
-                f"step {existing[-1]}; pass --resume to continue, or choose another directory "
-                "(nothing was overwritten)"
-            )
-        return ckpt, None
-    latest = ckpt.latest_valid_step()  # warns about and sets aside newer broken ones
-    if latest is None:
-        if t.resume_or_start:
-            print(
-                f"jaxpar: no complete checkpoint in {t.checkpoint_dir!r}; starting fresh",
-                file=sys.stderr,
-            )
-            return ckpt, None
-        raise CheckpointError(
-            f"train.resume=True: no complete checkpoint in {t.checkpoint_dir!r}; pass "
-            "--resume-or-start to start fresh there, or drop --resume"
-        )
-    if latest >= t.steps:
-        raise ConfigError(f"train.steps={t.steps}: the checkpoint is already at step {latest}")
-    return ckpt, latest
+    for h in hooks:
+        out.update(h.summary(ctx))
+    return out
