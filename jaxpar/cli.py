@@ -97,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
             where = f"{e.filename}: " if e.filename else ""
             print(f"{prefix}: error: {one_line(where + (e.strerror or str(e)))}", file=sys.stderr)
             return 2
+        except Exception as e:
+            # a multi-process run whose peer died: one line, locks released, exit at once
+            # (jaxpar.distributed.stop_after_failure); elsewhere a bug keeps its traceback
+            from jaxpar.distributed import stop_after_failure
+
+            stop_after_failure(prefix, e)
+            raise
 
 
 if __name__ == "__main__":

@@ -89,6 +89,15 @@ def describe(record: dict[str, Any]) -> str:
     )
 
 
+_HELD: set[RunLock] = set()  # the locks this process holds, for release_all()
+
+
+def release_all() -> None:
+    """Release every lock this process holds (a process about to ``os._exit``)."""
+    for lock in list(_HELD):
+        lock.release()
+
+
 class RunLock:
     """Exclusive lock file at ``path``; ``what`` names the guarded setting in messages."""
 
@@ -149,6 +158,7 @@ class RunLock:
             os.pwrite(fd, data, 0)
             os.fsync(fd)
             self._fd = fd
+            _HELD.add(self)
             return self
         raise CheckpointError(f"{self.what}: could not take the lock {self.path} (contended)")
 
@@ -190,6 +200,7 @@ class RunLock:
             pass
         os.close(self._fd)
         self._fd = None
+        _HELD.discard(self)
 
     def __enter__(self) -> RunLock:
         return self.acquire()
