@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(args._module.run(args) or 0)
         except JaxparError as e:
             print(f"{prefix}: error: {one_line(e)}", file=sys.stderr)
-            return 2
+            return int(getattr(e, "exit_code", 2))  # 2; 128+N for a run stopped by signal N
         except OSError as e:  # full disk, permissions, a vanished file: no traceback
             where = f"{e.filename}: " if e.filename else ""
             print(f"{prefix}: error: {one_line(where + (e.strerror or str(e)))}", file=sys.stderr)

@@ -20,8 +20,8 @@ Mechanism, in two layers:
 
 The holder removes the file when it finishes. Acquisition re-checks, after ``flock``, that the
 file it locked is still the one at the path (another run may have removed it meanwhile);
-SIGTERM/SIGINT are held back while it runs, so a signal never lands between taking the lock and
-recording it.
+a SIGTERM/SIGINT handled by :func:`abort_on_signal` is deferred while it runs, so it never lands
+between taking the lock and recording it.
 
 Every other output (token files and sidecars, tokenizers, metrics files, exported Hugging Face
 directories) is owned the same way: :func:`output_lock` locks ``<output>.lock`` beside it, and
@@ -121,8 +121,12 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         """Take the lock or raise :class:`CheckpointError` naming the holder."""
-        with _signals_held():
-            return self._acquire()
+        try:
+            with _signals_held():
+                return self._acquire()
+        except BaseException:  # e.g. a held-back signal raised on the way out: not kept
+            self.release()
+            raise
 
     def _acquire(self) -> RunLock:
         for _ in range(10):
@@ -212,18 +216,24 @@ class RunLock:
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+_deferred: list[int] = []  # signals abort_on_signal's handler held back inside _signals_held
+_depth = 0
+
+
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """Block SIGTERM/SIGINT while the block runs (delivered right after it): taking a lock and
-    recording it in ``self._fd`` is then one step as far as a signal handler is concerned."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    """While the block runs, :func:`abort_on_signal`'s handler defers its exception (a signal
+    mask would not do: another thread of the process takes the signal and the main thread runs
+    the handler at its next bytecode); it is raised when the block ends, by which time the
+    lock is recorded (and :meth:`RunLock.acquire` releases it again)."""
+    global _depth
+    _depth += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _depth -= 1
+        if not _depth and _deferred:
+            raise Interrupted(_deferred.pop())
 
 
 class Interrupted(CheckpointError):
@@ -231,6 +241,7 @@ class Interrupted(CheckpointError):
 
     def __init__(self, signum: int):
         self.signum = signum
+        self.exit_code = 128 + signum  # the shell's convention for a process ended by a signal
         name = signal.Signals(signum).name
         super().__init__(f"stopped by {name} before training started; no step was run or saved")
 
@@ -248,14 +259,23 @@ def abort_on_signal() -> Iterator[None]:
         return
 
     def handle(signum: int, frame: Any) -> None:
+        if _depth:  # inside a lock's acquisition: raised when it is recorded
+            _deferred.append(signum)
+            return
         raise Interrupted(signum)
 
     import jax
 
     sigs = _SIGNALS if jax.process_count() == 1 else (signal.SIGINT,)
     previous = {s: signal.signal(s, handle) for s in sigs}
+    before = set(_HELD)
     try:
         yield
+    except BaseException:
+        # a signal between a lock's acquire and its owner noting it: release it here
+        for lock in _HELD - before:
+            lock.release()
+        raise
     finally:
         for s, h in previous.items():
             signal.signal(s, signal.SIG_DFL if h is None else h)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from jaxpar.config import RunConfig
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.lock import LOCK_NAME, RunLock, output_lock, write_atomic
+from jaxpar.lock import _HELD, LOCK_NAME, RunLock, output_lock, write_atomic
 
 MANIFEST = "jaxpar_manifest.json"  # the checkpoint module's integrity record (no import: no JAX)
 
@@ -102,6 +102,7 @@ def lock_outputs(cfg: RunConfig) -> list[RunLock]:
     t = cfg.train
     locks: list[RunLock] = []
     error: Exception | None = None
+    before = set(_HELD)
     if jax.process_index() == 0:
         try:
             if t.checkpoint_dir:
@@ -123,7 +124,7 @@ def lock_outputs(cfg: RunConfig) -> list[RunLock]:
         except (CheckpointError, ConfigError) as e:
             error = e
     if any_process(error is not None):
-        for lock in locks:
+        for lock in _HELD - before:  # also one a signal kept from reaching `locks`
             lock.release()
         raise error or CheckpointError(
             "the outputs of this run are in use or not its own (process 0 says why)"

@@ -189,6 +189,10 @@ def check_command(n: int, argv: list[str], devices_per_process: int | None) -> N
 
         cfg = build_config(args)
         V.validate(cfg, n_devices=cfg.mesh.devices)
+        if args.verb == "train":
+            from jaxpar.preflight import preflight
+
+            preflight(cfg, data=False)  # every process would refuse the same, once here
         have = n * devices_per_process if devices_per_process else cfg.mesh.devices
         if have != cfg.mesh.devices:
             raise ConfigError(
