@@ -447,3 +447,58 @@ def test_save_returns_before_the_step_is_final_and_wait_seals_it(tmp_path, monke
     c.save(2, state, {"step": 2})
     c.close()  # waits for the save in flight
     assert Checkpointer(tmp_path / "ck", writable=False).steps() == [1, 2]
+
+
+def _child(launcher: int, process_id: int) -> int:
+    """PID of ``jaxpar launch``'s child with JAXPAR_PROCESS_ID=process_id (Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher and f"JAXPAR_PROCESS_ID={process_id}".encode() in env:
+            return int(stat.parent.name)
+    raise LookupError(process_id)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds children in /proc")
+def test_sigkill_of_one_worker_is_one_line_each_and_releases_the_lock(tmp_path):
+    """``jaxpar launch --local 2``, SIGKILL to process 1 mid-run: the launcher names it and
+    exits 137; process 0 names its dead peer in one line within the peer timeout, releases the
+    directory lock, and the newest complete checkpoint passes its full CRC check."""
+    d, m = tmp_path / "ck", tmp_path / "m.yaml"
+    m.write_text(MODEL_YAML)
+    cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--local", "2", "--devices-per-process",
+           "1", "--grace", "30", "--", "train", "--devices", "2", "--model", str(m), "--dp", "2",
+           "--tp", "1", "--pp", "1", "--microbatches", "1", "--global-batch", "4", "--seq-len",
+           "32", "--steps", "1000", "--eval-every", "0", "--no-progress", "--data", "synthetic",
+           "--checkpoint-dir", str(d), "--checkpoint-every", "3"]  # fmt: skip
+    env = dict(_env(), JAXPAR_PEER_TIMEOUT_S="5")
+    launch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, start_new_session=True)  # fmt: skip
+    try:
+        metrics, t0 = d / "metrics.jsonl", time.monotonic()
+        while sum('"loss"' in x for x in (metrics.read_text().splitlines()
+                                          if metrics.exists() else [])) < 4:  # fmt: skip
+            assert launch.poll() is None and time.monotonic() - t0 < 240, launch.communicate()
+            time.sleep(0.05)
+        victim = _child(launch.pid, 1)
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        _, err = launch.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.communicate()
+    lines = [x for x in err.splitlines() if "error" in x or x.startswith("jaxpar launch")]
+    assert launch.returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert f"jaxpar launch: process 1 (pid {victim}) was killed by SIGKILL" in lines[0], lines
+    survivor = [x for x in lines if x.startswith("[p0]")]
+    assert len(survivor) == 1 and "process 1 of this 2-process run is gone" in survivor[0], err
+    assert "Traceback" not in err and took < 30, (took, err[-3000:])
+    assert not (d / LOCK_NAME).exists()
+    ck = Checkpointer(d, writable=False)
+    newest = ck.latest_valid_step()
+    assert newest is not None and newest >= 3 and verify_step(d / str(newest)) is None
