@@ -350,6 +350,18 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
                 f"{info['shape']} of {info['dtype']} needs {want}"
             )
         out[name] = info
+    # safetensors itself refuses data bytes that no tensor covers, or tensors that overlap
+    end = 0
+    for name, info in sorted(out.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+        lo, hi = info["data_offsets"]
+        if lo != end:
+            raise ConfigError(
+                f"{path}: tensor {name}: data_offsets begin {lo}, expected {end} (tensors "
+                "must cover the data bytes in order, without gaps or overlaps)"
+            )
+        end = hi
+    if end != data:
+        raise ConfigError(f"{path}: the tensors cover {end} of the {data} data bytes")
     return out
 
 
