@@ -449,24 +449,13 @@ def test_save_returns_before_the_step_is_final_and_wait_seals_it(tmp_path, monke
     assert Checkpointer(tmp_path / "ck", writable=False).steps() == [1, 2]
 
 
-def _child(launcher: int, process_id: int) -> int:
-    """PID of ``jaxpar launch``'s child with JAXPAR_PROCESS_ID=process_id (Linux /proc)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            env = (stat.parent / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == launcher and f"JAXPAR_PROCESS_ID={process_id}".encode() in env:
-            return int(stat.parent.name)
-    raise LookupError(process_id)
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds children in /proc")
 def test_sigkill_of_one_worker_is_one_line_each_and_releases_the_lock(tmp_path):
     """``jaxpar launch --local 2``, SIGKILL to process 1 mid-run: the launcher names it and
     exits 137; process 0 names its dead peer in one line within the peer timeout, releases the
     directory lock, and the newest complete checkpoint passes its full CRC check."""
+    from test_harden import _child  # noqa: PLC0415  (the launcher's child by process id)
+
     d, m = tmp_path / "ck", tmp_path / "m.yaml"
     m.write_text(MODEL_YAML)
     cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--local", "2", "--devices-per-process",
