@@ -248,6 +248,7 @@ class Checkpointer:
         self.asynchronous = asynchronous
         self._thread: threading.Thread | None = None
         self._error: tuple[int, BaseException] | None = None
+        self._broken = False
         where = f"checkpoint_dir={str(self.directory)!r}"
         _quiet_closed_loops()
         if writable:
@@ -381,6 +382,7 @@ class Checkpointer:
             self._raise_failed(step, e)
 
     def _raise_failed(self, step: int, e: BaseException) -> None:
+        self._broken = True  # orbax keeps the failure and raises it again on close()
         _quiet_orphaned_tasks()
         self._discard(step)
         raise CheckpointError(
@@ -440,7 +442,12 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            self._mgr.close()
+            try:
+                with _held_logs():
+                    self._mgr.close()
+            except Exception:
+                if not self._broken:  # a failure already raised in one line: not twice
+                    raise
 
 
 def _path(keypath: tuple) -> str:
