@@ -13,7 +13,15 @@ Integrity, in two layers:
   size and CRC-32), atomically (temporary file, fsync, rename), last. A step directory without
   a manifest, or whose files no longer match it, is *incomplete*: it is skipped with a
   :class:`CheckpointWarning`, never loaded, and moved to ``<dir>/quarantine/`` when resuming,
-  so the run falls back to the previous complete step.
+  so the run falls back to the previous complete step. The manifest is read through a schema
+  (:data:`MANIFEST_SCHEMA`) and must list every file of the step: a record that lists none, or
+  fewer than the directory holds, does not vouch for the step.
+
+Saves are asynchronous (orbax's async checkpointing): :meth:`Checkpointer.save` returns once the
+state is copied off the training buffers, a background thread waits for orbax to finalise the
+step and then writes the manifest; at most one save is in flight (the next save, :meth:`wait`
+and :meth:`close` wait for it), so a SIGKILL during a background save leaves the previous step
+as the newest complete one.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 import warnings
 import zlib
@@ -36,8 +45,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxpar import typed
 from jaxpar.config import MODEL_SHAPE_FIELDS, ModelConfig
-from jaxpar.errors import CheckpointError, JaxparWarning
+from jaxpar.errors import CheckpointError, ConfigError, JaxparWarning
 
 MANIFEST = "jaxpar_manifest.json"
 QUARANTINE = "quarantine"
@@ -140,6 +150,24 @@ def _files(step_dir: Path) -> list[Path]:
     return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+def _size_crc(v: Any) -> bool:
+    return (
+        isinstance(v, list)
+        and len(v) == 2
+        and all(typed._KINDS["int"](x) and 0 <= x < 2**64 for x in v)
+    )
+
+
+MANIFEST_SCHEMA = {
+    "version": typed.Rule(("int",), lambda v: v == 1, "must be 1"),
+    "files": typed.Rule(
+        ("dict",),
+        lambda v: len(v) > 0 and all(typed.plain_path(k) and _size_crc(x) for k, x in v.items()),
+        "must map each file of the step (a relative path inside it) to [size, crc32]",
+    ),
+}
+
+
 def write_manifest(step_dir: Path) -> None:
     """Record every file's size and CRC-32 of a finalised step; written atomically, last."""
     files = {
@@ -158,13 +186,18 @@ def verify_step(step_dir: Path, full: bool = True) -> str | None:
 
     ``full`` compares CRC-32s (reads every byte); otherwise only presence and sizes.
     """
-    try:
-        record = json.loads((step_dir / MANIFEST).read_text())
-        files = record["files"]
-    except FileNotFoundError:
+    if not step_dir.is_dir():
+        return "no such step (it was never written)"
+    if not (step_dir / MANIFEST).exists():
         return "no integrity record (the write was interrupted)"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"unreadable integrity record ({type(e).__name__})"
+    try:
+        record = typed.read_json(step_dir / MANIFEST)
+        files = typed.check_record(MANIFEST, record, MANIFEST_SCHEMA)["files"]
+    except ConfigError as e:
+        return f"unreadable integrity record ({e})"
+    unlisted = sorted({p.relative_to(step_dir).as_posix() for p in _files(step_dir)} - set(files))
+    if unlisted:
+        return f"file {unlisted[0]} is not in the integrity record"
     for rel, (size, crc) in files.items():
         p = step_dir / rel
         if not p.is_file():
@@ -186,17 +219,36 @@ def _all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+@jax.jit
+def _copied(tree: Any) -> Any:
+    """A device copy of ``tree``: the training step donates the state's buffers, and a
+    background save must not read buffers the next step overwrites."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 class Checkpointer:
     """Save every ``every`` steps, keep the newest ``keep``; restore the newest complete one.
 
     ``writable=False`` opens an existing directory for reading only (nothing is created,
-    cleaned or moved).
+    cleaned or moved). ``asynchronous=False`` makes :meth:`save` wait until the step is final
+    (the blocking orbax path, kept for comparison: ``scripts/bench_checkpoint.py``).
     """
 
-    def __init__(self, directory: str | Path, keep: int = 3, every: int = 50, writable=True):
+    def __init__(
+        self,
+        directory: str | Path,
+        keep: int = 3,
+        every: int = 50,
+        writable: bool = True,
+        asynchronous: bool = True,
+    ):
         self.directory = Path(directory).absolute()
         self.every = every
         self.writable = writable
+        self.asynchronous = asynchronous
+        self._thread: threading.Thread | None = None
+        self._error: tuple[int, BaseException] | None = None
+        self._broken = False
         where = f"checkpoint_dir={str(self.directory)!r}"
         _quiet_closed_loops()
         if writable:
@@ -218,7 +270,7 @@ class Checkpointer:
             max_to_keep=keep,
             create=writable,
             read_only=not writable,
-            enable_async_checkpointing=False,
+            enable_async_checkpointing=asynchronous,
         )
         try:
             self._mgr = ocp.CheckpointManager(
@@ -242,11 +294,6 @@ class Checkpointer:
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints (manifest present, sizes match), oldest first."""
         return [s for s in self.all_steps() if verify_step(self._step_dir(s), full=False) is None]
-
-    def latest_step(self) -> int | None:
-        """Newest complete checkpoint (sizes checked, not CRCs), or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
 
     def latest_valid_step(self) -> int | None:
         """Newest checkpoint that passes the full check; newer broken ones are skipped with a
@@ -281,34 +328,67 @@ class Checkpointer:
         return force or step % self.every == 0
 
     def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = False) -> bool:
-        """Write ``state`` at ``step`` (when due, or always with ``force``).
+        """Start writing ``state`` at ``step`` (when due, or always with ``force``); returns
+        once the state is copied off the training buffers, not when its bytes are on disk.
 
-        A state with a non-finite value is refused; a failed write (full or read-only disk)
-        raises a one-line :class:`CheckpointError` and leaves the previous checkpoints as they
-        were (the partial step is removed).
+        A save still in flight is waited for first (:meth:`wait`), so at most one runs. A state
+        with a non-finite value is refused; a failed write (full or read-only disk) raises a
+        one-line :class:`CheckpointError` — here, or from the next :meth:`save`, :meth:`wait`
+        or :meth:`close` when it failed in the background — and leaves the previous
+        checkpoints as they were (the partial step is removed).
         """
         if not self.due(step, force):
             return False
         if not bool(_all_finite(state)):
             raise CheckpointError(f"step {step}: refusing to checkpoint a non-finite state")
+        self.wait()
+        if self.asynchronous:
+            state = _copied(state)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         try:
             with _held_logs():
                 saved = bool(self._mgr.save(step, args=args, force=force))
+        except Exception as e:  # orbax and tensorstore wrap I/O errors in various types
+            self._raise_failed(step, e)
+        if saved:
+            self._thread = threading.Thread(
+                target=self._finish, args=(step,), name=f"jaxpar-save-{step}", daemon=True
+            )
+            self._thread.start()
+            if not self.asynchronous:
+                self.wait()
+        return saved
+
+    def _finish(self, step: int) -> None:
+        """Background: wait until orbax has finalised ``step``, then seal it with the manifest."""
+        try:
+            with _held_logs():
                 self._mgr.wait_until_finished()
-                if saved and jax.process_index() == 0:
+                if jax.process_index() == 0:
                     if delay := float(os.environ.get(SAVE_DELAY_ENV, "0") or 0):
                         time.sleep(delay)
                     write_manifest(self._step_dir(step))
-        except Exception as e:  # orbax and tensorstore wrap I/O errors in various types
-            _quiet_orphaned_tasks()
-            self._discard(step)
-            msg = _io_reason(e)
-            raise CheckpointError(
-                f"checkpoint_dir={str(self.directory)!r}: saving step {step} failed: {msg}; "
-                f"earlier checkpoints are untouched (complete: {self.steps()})"
-            ) from e
-        return saved
+        except BaseException as e:  # noqa: BLE001  (re-raised by wait() in the caller's thread)
+            self._error = (step, e)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is final, its manifest written; raises its
+        one-line :class:`CheckpointError` if it failed."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        if self._error is not None:
+            (step, e), self._error = self._error, None
+            self._raise_failed(step, e)
+
+    def _raise_failed(self, step: int, e: BaseException) -> None:
+        self._broken = True  # orbax keeps the failure and raises it again on close()
+        _quiet_orphaned_tasks()
+        self._discard(step)
+        raise CheckpointError(
+            f"checkpoint_dir={str(self.directory)!r}: saving step {step} failed: "
+            f"{_io_reason(e)}; earlier checkpoints are untouched (complete: {self.steps()})"
+        ) from e
 
     def _discard(self, step: int) -> None:
         """Remove a step whose save failed (best effort: a full disk may refuse even that)."""
@@ -358,8 +438,16 @@ class Checkpointer:
         return out["state"], dict(out["meta"])
 
     def close(self) -> None:
-        """Finish pending writes and release the manager."""
-        self._mgr.close()
+        """Wait for the save in flight (:meth:`wait`), then release the manager."""
+        try:
+            self.wait()
+        finally:
+            try:
+                with _held_logs():
+                    self._mgr.close()
+            except Exception:
+                if not self._broken:  # a failure already raised in one line: not twice
+                    raise
 
 
 def _path(keypath: tuple) -> str:

@@ -115,11 +115,18 @@ def main(argv: list[str] | None = None) -> int:
             return _reader_gone()
         except JaxparError as e:
             print(f"{prefix}: error: {one_line(e)}", file=sys.stderr)
-            return 2
+            return int(getattr(e, "exit_code", 2))  # 2; 128+N for a run stopped by signal N
         except OSError as e:  # full disk, permissions, a vanished file: no traceback
             where = f"{e.filename}: " if e.filename else ""
             print(f"{prefix}: error: {one_line(where + (e.strerror or str(e)))}", file=sys.stderr)
             return 2
+        except Exception as e:
+            # a multi-process run whose peer died: one line, locks released, exit at once
+            # (jaxpar.distributed.stop_after_failure); elsewhere a bug keeps its traceback
+            from jaxpar.distributed import stop_after_failure
+
+            stop_after_failure(prefix, e)
+            raise
 
 
 def _reader_gone() -> int:

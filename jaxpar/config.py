@@ -181,6 +181,7 @@ class TrainConfig:
     profile_dir: str | None = None  # where the trace goes (default ./jaxpar_profile)
     init_from_hf: str | None = None  # Hugging Face Llama directory to start from
     export_hf: str | None = None  # write the final weights as a Hugging Face Llama directory
+    force: bool = False  # replace outputs jaxpar did not write (metrics file, export_hf) whole
     tensorboard_dir: str | None = None  # TensorBoard scalars (needs tensorboardX)
     # Test hook: at this step (1-based) the gradient of one leaf is NaN; 0 disables.
     inject_nonfinite_step: int = 0

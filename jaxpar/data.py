@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar import typed
 from jaxpar.config import TOKEN_DTYPES
 from jaxpar.errors import ConfigError
 
@@ -121,9 +122,9 @@ def write_sidecar(bin_path: str | Path, record: dict[str, Any]) -> Path:
         raise ValueError(f"sidecar keys {sorted(unknown)}: not in SIDECAR_KEYS")
     ordered = {k: record.get(k) for k in SIDECAR_KEYS}
     ordered["format"] = SIDECAR_FORMAT
-    path = sidecar_path(bin_path)
-    path.write_text(json.dumps(ordered, indent=2) + "\n")
-    return path
+    from jaxpar.lock import write_atomic
+
+    return write_atomic(sidecar_path(bin_path), (json.dumps(ordered, indent=2) + "\n").encode())
 
 
 @dataclass(frozen=True)
@@ -142,26 +143,60 @@ class TokenFile:
         return (self.meta or {}).get("tokenizer")
 
 
+def _tokenizer_identity(v: Any) -> bool:
+    """A tokenizer identity as :meth:`jaxpar.tokenizer.Tokenizer.identity` writes it."""
+    if v.get("kind") == "byte":
+        return True
+    return (
+        v.get("kind") == "huggingface"
+        and isinstance(v.get("path"), str)
+        and bool(v["path"])
+        and isinstance(v.get("sha256"), (str, type(None)))
+    )
+
+
+_COUNT = typed.Rule(("int", "None"), lambda v: v >= 0, "must be an integer >= 0", False)
+SIDECAR_SCHEMA: dict[str, typed.Rule] = {
+    "format": typed.Rule(("str",), lambda v: v == SIDECAR_FORMAT, f"must be {SIDECAR_FORMAT!r}"),
+    "dtype": typed.Rule(("str",), lambda v: v in TOKEN_DTYPES, f"one of {', '.join(TOKEN_DTYPES)}"),
+    "vocab_size": typed.Rule(("int",), lambda v: 0 < v <= 2**32, "must be in 1..2**32"),
+    "tokens": typed.Rule(("int",), lambda v: v >= 0, "must be an integer >= 0"),
+    "tokenizer": typed.Rule(
+        ("dict", "None"),
+        _tokenizer_identity,
+        "must be {'kind': 'byte'} or {'kind': 'huggingface', 'path': ..., 'sha256': ...}",
+        False,
+    ),
+    "eos_id": _COUNT,
+    "documents": _COUNT,
+    "split": typed.Rule(
+        ("str", "None"),
+        lambda v: v in ("all", "train", "validation"),
+        "all, train or validation",
+        False,
+    ),
+    "validation_fraction": typed.Rule(("float", "None"), lambda v: 0 <= v < 1, "in [0, 1)", False),
+    # a name beside the sidecar, never a path: what a file names stays in its directory
+    "validation_file": typed.Rule(
+        ("str", "None"), typed.plain_name, "must be a file name in the sidecar's directory", False
+    ),
+    "sources": typed.Rule(("list", "None"), required=False),
+    "text_field": typed.Rule(("str", "None"), required=False),
+}
+MAX_SIDECAR_BYTES = 1 << 20
+
+
 def _read_sidecar(path: Path, where: str) -> dict[str, Any] | None:
     side = sidecar_path(path)
-    if not side.is_file():
+    if not side.exists():
         return None
-    try:
-        meta = json.loads(side.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{where}: sidecar {side} is not readable JSON ({e})") from None
+    meta = typed.read_json(side, MAX_SIDECAR_BYTES)
     if not isinstance(meta, dict) or meta.get("format") != SIDECAR_FORMAT:
         raise ConfigError(
             f"{where}: {side} is not a jaxpar token sidecar (format != {SIDECAR_FORMAT!r}); "
             f"move it away to read {path.name} without one"
         )
-    for key, ok in (
-        ("dtype", lambda v: v in TOKEN_DTYPES),
-        ("vocab_size", lambda v: isinstance(v, int) and v > 0),
-        ("tokens", lambda v: isinstance(v, int) and v >= 0),
-    ):
-        if not ok(meta.get(key)):
-            raise ConfigError(f"{side}: {key}={meta.get(key)!r}: invalid")
+    typed.check_record(str(side), meta, SIDECAR_SCHEMA)
     top = int(np.iinfo(np.dtype(meta["dtype"])).max)
     if meta["vocab_size"] > top + 1:
         raise ConfigError(
@@ -171,13 +206,22 @@ def _read_sidecar(path: Path, where: str) -> dict[str, Any] | None:
     return meta
 
 
+def largest_id(tokens: np.ndarray) -> int:
+    """The largest token id of a (memory-mapped) token array: one vectorised pass, in blocks
+    of 64 Mi tokens so the pages it maps are released as it goes (cost: docs/reliability.md)."""
+    block = 1 << 26
+    return max(int(tokens[i : i + block].max()) for i in range(0, len(tokens), block))
+
+
 def open_token_file(
     path: str | Path, dtype: str = "uint16", where: str = "train.data"
 ) -> TokenFile:
-    """Memory-map a token file, checked against its sidecar (or ``dtype`` without one)."""
+    """Memory-map a token file, checked against its sidecar (or ``dtype`` without one); the
+    largest token id is read either way, so a sidecar's vocabulary is checked, not believed."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{where}={str(path)!r}: token file does not exist")
+    why = typed.not_a_file(p)
+    if why:
+        raise ConfigError(f"{where}={str(path)!r}: token file {why}")
     meta = _read_sidecar(p, f"{where}={str(path)!r}")
     dt = np.dtype(meta["dtype"] if meta else dtype)
     size = p.stat().st_size
@@ -190,15 +234,20 @@ def open_token_file(
             + ("the file is truncated" if meta else "another --data-dtype?")
         )
     tokens = np.memmap(p, dtype=dt, mode="r")
+    top = largest_id(tokens)
     if meta:
+        side = sidecar_path(p)
         if meta["tokens"] != len(tokens):
             raise ConfigError(
-                f"{sidecar_path(p)}: tokens={meta['tokens']} but {p.name} holds {len(tokens)} "
-                f"{dt.name} tokens"
+                f"{side}: tokens={meta['tokens']} but {p.name} holds {len(tokens)} {dt.name} tokens"
             )
-        return TokenFile(p, tokens, meta["vocab_size"], f"sidecar {sidecar_path(p).name}", meta)
-    # No sidecar: the vocabulary the data needs is its largest id + 1 (one pass over the file).
-    top = int(tokens.max())
+        if top >= meta["vocab_size"]:
+            raise ConfigError(
+                f"{side}: vocab_size={meta['vocab_size']}: but {p.name} holds token id {top} "
+                "(the sidecar does not describe this file)"
+            )
+        return TokenFile(p, tokens, meta["vocab_size"], f"sidecar {side.name}", meta)
+    # No sidecar: the vocabulary the data needs is its largest id + 1.
     return TokenFile(p, tokens, top + 1, f"largest token id {top} in {p.name}", None)
 
 
@@ -207,8 +256,9 @@ def token_file_corpus(path: str, dtype: str, eval_path: str | None = None) -> Co
     ``validation_file``, else the file's last 5%."""
     train = open_token_file(path, dtype)
     if eval_path is None and train.meta and train.meta.get("validation_file"):
+        # a plain name (SIDECAR_SCHEMA): the partner is beside the training file
         partner = train.path.parent / train.meta["validation_file"]
-        eval_path = str(partner) if partner.is_file() else None
+        eval_path = str(partner) if partner.exists() else None
     if eval_path is None:
         cut = int(len(train.tokens) * (1 - HELD_OUT_TAIL))
         tokens, held = train.tokens[:cut], train.tokens[cut:]

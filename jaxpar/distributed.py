@@ -18,12 +18,24 @@ coordinates checkpoint writes across processes.
 Failure modes are reported, not hung on: XLA aborts the whole process (no Python exception) when
 the coordinator cannot be reached, so a non-coordinator process first waits for the coordinator's
 TCP port itself, up to the timeout, and raises :class:`DistributedError` with what to check.
+
+A process that dies mid-run leaves its peers blocked in their next collective (gloo waits for
+it, and JAX's own heartbeat gives up only after 100 s, by aborting the process). Each process
+therefore runs a :class:`PeerWatch`: a thread that stamps a heartbeat into the coordination
+service's key-value store every second and reads its peers'. A peer silent for
+``JAXPAR_PEER_TIMEOUT_S`` seconds (default 10), or a coordinator that cannot be reached, ends
+this process with one line naming the peer and exit code :data:`EXIT_PEER_LOST`, after releasing
+its locks (:func:`jaxpar.lock.release_all`); a save in flight is abandoned, so the newest
+complete checkpoint stays the newest. A process that finishes says so first, so its peers'
+watches stand down.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +43,8 @@ from dataclasses import dataclass
 from jaxpar.errors import ConfigError, JaxparError
 
 DEFAULT_TIMEOUT_S = 300
+PEER_TIMEOUT_S = 10.0  # JAXPAR_PEER_TIMEOUT_S: silence after which a peer counts as gone
+EXIT_PEER_LOST = 5  # exit code of a process that stopped because a peer died
 
 
 class DistributedError(JaxparError):
@@ -172,6 +186,125 @@ def initialize(pc: ProcessConfig, platform: str = "cpu") -> None:
     )
 
 
+class PeerWatch(threading.Thread):
+    """Heartbeats through the coordination service; ends the process when a peer is gone."""
+
+    def __init__(self, client, me: int, n: int, timeout_s: float):
+        super().__init__(name="jaxpar-peer-watch", daemon=True)
+        self.client, self.me, self.n, self.timeout_s = client, me, n, timeout_s
+        self._done = threading.Event()
+
+    def finish(self) -> None:
+        """This process is ending normally: tell the peers, stop watching."""
+        if not self._done.is_set():
+            self._done.set()
+            try:
+                self.client.key_value_set(f"jaxpar/done/{self.me}", "1", allow_overwrite=True)
+            except Exception:  # noqa: BLE001  (the service may already be gone at exit)
+                pass
+
+    def _get(self, key: str) -> str | None:
+        try:
+            return self.client.key_value_try_get(key)
+        except Exception as e:  # noqa: BLE001  (XlaRuntimeError NOT_FOUND: not written yet)
+            if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+                return None
+            raise
+
+    def run(self) -> None:
+        peers = [p for p in range(self.n) if p != self.me]
+        seen = {p: (None, time.monotonic()) for p in peers}
+        unreachable_since: float | None = None
+        seq = 0
+        while not self._done.wait(1.0):
+            seq += 1
+            now = time.monotonic()
+            try:
+                self.client.key_value_set(f"jaxpar/alive/{self.me}", str(seq), allow_overwrite=True)
+                if any(self._get(f"jaxpar/done/{p}") for p in peers):
+                    return  # the run is ending: a finished peer stops beating
+                for p in peers:
+                    beat = self._get(f"jaxpar/alive/{p}")
+                    if beat != seen[p][0]:
+                        seen[p] = (beat, now)
+                    elif now - seen[p][1] > self.timeout_s:
+                        self._lost(p, f"no heartbeat for {self.timeout_s:g} s")
+                unreachable_since = None
+            except Exception as e:  # noqa: BLE001  (the coordination service is gone)
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > min(self.timeout_s, 5.0) and not self._done.is_set():
+                    first = (str(e) or type(e).__name__).splitlines()[0][:120]
+                    self._lost(0, f"the coordinator cannot be reached: {first}")
+
+    def _lost(self, peer: int, why: str) -> None:
+        if self._done.is_set():
+            return
+        from jaxpar.lock import release_all
+
+        print(
+            f"jaxpar: error: process {peer} of this {self.n}-process run is gone ({why}); "
+            f"process {self.me} stops without a checkpoint (the newest complete one is kept)",
+            file=sys.stderr,
+            flush=True,
+        )
+        release_all()
+        os._exit(EXIT_PEER_LOST)
+
+
+_WATCH: PeerWatch | None = None
+
+
+def watch_peers(pc: ProcessConfig, env: Mapping[str, str] | None = None) -> PeerWatch | None:
+    """Start this process's :class:`PeerWatch` (after ``jax.distributed.initialize``)."""
+    global _WATCH
+    import atexit
+
+    from jax._src import distributed as jd
+
+    env = os.environ if env is None else env
+    client = jd.global_state.client
+    if client is None or pc.num_processes < 2:
+        return None
+    timeout = peer_timeout(env)
+    _WATCH = PeerWatch(client, pc.process_id, pc.num_processes, timeout)
+    _WATCH.start()
+    atexit.register(_WATCH.finish)
+    return _WATCH
+
+
+def stop_after_failure(prefix: str, error: BaseException) -> None:
+    """In a multi-process run, an error that escaped the command (typically a collective that
+    failed because a peer died: gloo's "Connection reset by peer") ends the process in one
+    line: the watch names the silent peer within its timeout, else the error's first line is
+    the line; locks are released and the process exits :data:`EXIT_PEER_LOST` at once (JAX's
+    shutdown would wait for the dead peer). Returns only in a single-process run."""
+    watch = _WATCH
+    if watch is None or watch._done.is_set():
+        return
+    from jaxpar.lock import release_all
+
+    release_all()
+    watch.join(timeout=watch.timeout_s + 3.0)  # its _lost() exits the process when it names one
+    first = (str(error) or type(error).__name__).strip().splitlines()[0][:200]
+    print(f"{prefix}: error: {first}; stopping this process", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)
+
+
+def peer_timeout(env: Mapping[str, str] | None = None) -> float:
+    """``JAXPAR_PEER_TIMEOUT_S`` (seconds), checked."""
+    env = os.environ if env is None else env
+    raw = env.get("JAXPAR_PEER_TIMEOUT_S")
+    if raw is None or raw == "":
+        return PEER_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 1.0 <= value <= 3600.0:
+        raise ConfigError(f"JAXPAR_PEER_TIMEOUT_S={raw!r}: must be a number of seconds in 1..3600")
+    return value
+
+
 def any_process(flag: bool) -> bool:
     """Whether ``flag`` is true on any process (every process must call it; one small
     all-gather). A single-process run answers ``flag`` without a collective."""
@@ -264,4 +397,5 @@ def setup(
             pc.timeout_s,
         )
     initialize(pc, hardware.platform)
+    watch_peers(pc)
     return pc

@@ -11,7 +11,6 @@ pass jaxpar's integrity check (:func:`jaxpar.checkpoint.verify_step`).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,9 @@ def newest_step(directory: Path) -> int | None:
     """Newest step directory that passes the size check of its manifest."""
     from jaxpar.checkpoint import verify_step
 
-    steps = sorted((int(d.name) for d in directory.iterdir() if d.name.isdigit()), reverse=True)
+    # ASCII digits only: str.isdigit also accepts e.g. '²', which int() refuses
+    names = [d.name for d in directory.iterdir() if d.name.isascii() and d.name.isdigit()]
+    steps = sorted(map(int, names), reverse=True)
     return next((s for s in steps if verify_step(directory / str(s), full=False) is None), None)
 
 
@@ -73,9 +74,18 @@ def checkpoint_record(directory: str, step: int | None) -> tuple[int, dict[str, 
     why = verify_step(d / str(step))
     if why is not None:
         raise CheckpointError(f"{where}: step {step}: {why}")
+    from jaxpar import typed
+    from jaxpar.data import SIDECAR_SCHEMA
+
     try:
-        return step, json.loads((d / str(step) / "meta" / "metadata").read_text())
-    except (OSError, ValueError) as e:
+        meta = typed.read_json(d / str(step) / "meta" / "metadata")
+        schema = {
+            "model": typed.Rule(("dict",)),
+            "data": typed.Rule(("dict", "None"), required=False),
+            "tokenizer": SIDECAR_SCHEMA["tokenizer"],
+        }
+        return step, typed.check_record(f"{where}: step {step} record", meta, schema)
+    except ConfigError as e:
         raise CheckpointError(f"{where}: step {step}: unreadable record ({e})") from None
 
 

@@ -19,19 +19,33 @@ Mechanism, in two layers:
   not reach across every network file system): the refusal says which file to delete.
 
 The holder removes the file when it finishes. Acquisition re-checks, after ``flock``, that the
-file it locked is still the one at the path (another run may have removed it meanwhile).
+file it locked is still the one at the path (another run may have removed it meanwhile);
+a SIGTERM/SIGINT handled by :func:`abort_on_signal` is deferred while it runs, so it never lands
+between taking the lock and recording it.
+
+Every other output (token files and sidecars, tokenizers, metrics files, exported Hugging Face
+directories) is owned the same way: :func:`output_lock` locks ``<output>.lock`` beside it, and
+the bytes go to a temporary name unique to the run (:func:`temp_name`) that is moved into place
+in one rename (:func:`write_atomic`, :func:`replace_dir`), so a reader sees the old output or the
+new one, never a mixture. :func:`abort_on_signal` makes a SIGTERM/SIGINT before training starts
+end the run through its ``finally`` blocks (locks released) instead of killing it on the spot.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import shlex
+import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +89,15 @@ def describe(record: dict[str, Any]) -> str:
     )
 
 
+_HELD: set[RunLock] = set()  # the locks this process holds, for release_all()
+
+
+def release_all() -> None:
+    """Release every lock this process holds (a process about to ``os._exit``)."""
+    for lock in list(_HELD):
+        lock.release()
+
+
 class RunLock:
     """Exclusive lock file at ``path``; ``what`` names the guarded setting in messages."""
 
@@ -98,6 +121,14 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         """Take the lock or raise :class:`CheckpointError` naming the holder."""
+        try:
+            with _signals_held():
+                return self._acquire()
+        except BaseException:  # e.g. a held-back signal raised on the way out: not kept
+            self.release()
+            raise
+
+    def _acquire(self) -> RunLock:
         for _ in range(10):
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -131,6 +162,7 @@ class RunLock:
             os.pwrite(fd, data, 0)
             os.fsync(fd)
             self._fd = fd
+            _HELD.add(self)
             return self
         raise CheckpointError(f"{self.what}: could not take the lock {self.path} (contended)")
 
@@ -172,12 +204,132 @@ class RunLock:
             pass
         os.close(self._fd)
         self._fd = None
+        _HELD.discard(self)
 
     def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+_deferred: list[int] = []  # signals abort_on_signal's handler held back inside _signals_held
+_depth = 0
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """While the block runs, :func:`abort_on_signal`'s handler defers its exception (a signal
+    mask would not do: another thread of the process takes the signal and the main thread runs
+    the handler at its next bytecode); it is raised when the block ends, by which time the
+    lock is recorded (and :meth:`RunLock.acquire` releases it again)."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if not _depth and _deferred:
+            raise Interrupted(_deferred.pop())
+
+
+class Interrupted(CheckpointError):
+    """A SIGTERM/SIGINT arrived before the run could stop at a step (nothing was saved)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum  # the shell's convention for a process ended by a signal
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} before training started; no step was run or saved")
+
+
+@contextlib.contextmanager
+def abort_on_signal() -> Iterator[None]:
+    """While the block runs, SIGTERM/SIGINT raise :class:`Interrupted` (so ``finally`` blocks
+    release locks and remove temporary files) instead of killing the process; the training
+    loop's own handler (:class:`jaxpar.train.guard.StopRequest`) takes over while it steps and
+    restores this one after. A multi-process run leaves SIGTERM to JAX's preemption service
+    (installed by ``jax.distributed.initialize``), which stops every process at an agreed step.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: Any) -> None:
+        if _depth:  # inside a lock's acquisition: raised when it is recorded
+            _deferred.append(signum)
+            return
+        raise Interrupted(signum)
+
+    import jax
+
+    sigs = _SIGNALS if jax.process_count() == 1 else (signal.SIGINT,)
+    previous = {s: signal.signal(s, handle) for s in sigs}
+    before = set(_HELD)
+    try:
+        yield
+    except BaseException:
+        # a signal between a lock's acquire and its owner noting it: release it here
+        for lock in _HELD - before:
+            lock.release()
+        raise
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, signal.SIG_DFL if h is None else h)
+
+
+def output_lock(path: str | Path, what: str) -> RunLock:
+    """The lock of one output file or directory: ``<path>.lock`` beside it, taken."""
+    p = Path(path).absolute()
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{what}: cannot create {p.parent}: {e.strerror or e}") from None
+    return RunLock(p.with_name(p.name + ".lock"), what).acquire()
+
+
+def temp_name(path: str | Path) -> Path:
+    """A hidden name beside ``path`` unique to this process (host and pid): two runs never
+    write the same temporary file, and a crash's leftovers are recognisable."""
+    p = Path(path)
+    return p.with_name(f".{p.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def write_atomic(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to :func:`temp_name`, fsync, rename over ``path``; the temporary file is
+    removed on any failure (a full disk leaves the old file as it was)."""
+    p = Path(path)
+    tmp = temp_name(p)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return p
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move the finished directory ``tmp`` to ``final``, replacing what was there whole: the old
+    directory is renamed aside first and removed after, so ``final`` never mixes the two."""
+    old = None
+    if final.exists() or final.is_symlink():
+        old = final.with_name(f".{final.name}.old-{socket.gethostname()}-{os.getpid()}")
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if old is not None:
+            os.replace(old, final)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -188,9 +340,11 @@ def _read(path: Path) -> dict[str, Any] | None:
             return None
         if text.strip():
             try:
-                return json.loads(text)
-            except ValueError:
+                record = json.loads(text)
+            except (ValueError, RecursionError):
                 pass
+            else:  # a record is a mapping; anything else names no holder
+                return record if isinstance(record, dict) else None
         time.sleep(0.01)
     return None
 
@@ -201,6 +355,7 @@ def _read_fd(fd: int) -> Any:
     if not text.strip():
         return None
     try:
-        return json.loads(text)
-    except ValueError:
+        record = json.loads(text)
+    except (ValueError, RecursionError):
         return "unreadable"
+    return record if isinstance(record, dict) else "unreadable"

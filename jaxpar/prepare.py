@@ -11,8 +11,10 @@ The reader cuts the document stream into chunks of about 1 MiB and worker proces
 spawned when JAX runs in the process, whose threads make forking unsafe) tokenise them; results
 are written strictly in chunk order with at most two chunks per worker in flight, so the output
 is byte-identical for any worker count and memory stays bounded. Every document ends with the
-end-of-text token. Outputs are written to temporary names and renamed when complete; nothing is
-left behind on an error.
+end-of-text token. The run holds ``NAME.bin.lock`` (:func:`jaxpar.lock.output_lock`) while it
+writes, so a second run into the same ``--out`` is refused naming the first; outputs are written
+to temporary names unique to the run and renamed when complete; nothing is left behind on an
+error.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 from jaxpar import tokenizer as T
 from jaxpar.data import sidecar_path, stdlib_files, write_sidecar
 from jaxpar.errors import ConfigError, JaxparError
+from jaxpar.lock import output_lock, replace_dir, temp_name
 
 STDLIB = "stdlib"
 CHUNK_BYTES = 1 << 20
@@ -163,10 +166,10 @@ def validation_path(out: Path) -> Path:
 
 
 class _Writer:
-    """Appends tokens to ``PATH.tmp``; :meth:`commit` renames it into place."""
+    """Appends tokens to a temporary name of this run; :meth:`commit` renames it into place."""
 
     def __init__(self, path: Path, dtype: str):
-        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
+        self.path, self.tmp = path, temp_name(path)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.f = open(self.tmp, "wb")
         self.tokens = self.docs = 0
@@ -205,6 +208,18 @@ def prepare(
         raise ConfigError(f"--out={str(out)!r}: must end in .bin (the sidecar is NAME.json)")
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers={workers}: must be a positive integer")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out={str(out)!r}: directory {out.parent} does not exist")
+    lock = output_lock(out, f"--out={str(out)!r}")
+    try:
+        return _prepare(inputs, tokenizer, out, text_field, validation_fraction, workers, eos,
+                        force, progress)  # fmt: skip
+    finally:
+        lock.release()
+
+
+def _prepare(inputs, tokenizer, out, text_field, validation_fraction, workers, eos, force,
+             progress) -> dict[str, Any]:  # fmt: skip
     val_out = validation_path(out) if validation_fraction > 0 else None
     targets = [p for p in (out, val_out) if p is not None]
     if not force:
@@ -212,15 +227,14 @@ def prepare(
             for q in (p, sidecar_path(p)):
                 if q.exists():
                     raise ConfigError(f"--out={str(out)!r}: {q} exists (pass --force to replace)")
-    if not out.parent.is_dir():
-        raise ConfigError(f"--out={str(out)!r}: directory {out.parent} does not exist")
     tok = T.load(tokenizer, eos)
     if tok.eos_id is None:
         raise ConfigError(
             f"--tokenizer={tokenizer!r}: no end-of-text token found (tokenizer_config.json "
             "eos_token, config.json eos_token_id, or a known name); pass --eos TOKEN"
         )
-    sources = list_sources(inputs, exclude=tuple(targets))
+    lock_file = out.with_name(out.name + ".lock")
+    sources = list_sources(inputs, exclude=(*targets, lock_file))
     total = sum(s.path.stat().st_size for s in sources)
     dtype = token_dtype(tok.vocab_size)
     workers = workers or os.cpu_count() or 1
@@ -332,15 +346,37 @@ def _bar(total: int, enabled: bool):
 
 
 def train_tokenizer(
-    inputs: list[str], vocab_size: int, out: str | Path, text_field: str = "text"
+    inputs: list[str],
+    vocab_size: int,
+    out: str | Path,
+    text_field: str = "text",
+    force: bool = False,
 ) -> dict[str, Any]:
-    """Train a byte-level BPE on ``inputs`` (:func:`jaxpar.tokenizer.train_bpe`) into ``out``."""
-    sources = list_sources(inputs)
-    t0 = time.perf_counter()
-    directory = T.train_bpe((t for t, _ in documents(sources, text_field)), vocab_size, out)
-    tok = T.load(str(directory))
+    """Train a byte-level BPE on ``inputs`` (:func:`jaxpar.tokenizer.train_bpe`) into ``out``:
+    written into a temporary directory of this run and moved into place whole, under
+    ``out.lock``. An existing ``out`` is replaced only when it holds nothing but a tokenizer
+    jaxpar wrote, or with ``force``."""
+    out = Path(out)
+    T.check_vocab_size(vocab_size)
+    lock = output_lock(out, f"--out={str(out)!r}")
+    try:
+        _check_replaceable(out, T.TOKENIZER_FILES, force)
+        sources = list_sources(inputs)
+        t0 = time.perf_counter()
+        tmp = temp_name(out)
+        try:
+            T.train_bpe((t for t, _ in documents(sources, text_field)), vocab_size, tmp)
+            replace_dir(tmp, out)
+        finally:
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        lock.release()
+    tok = T.load(str(out))
     return {
-        "output": str(directory),
+        "output": str(out),
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
         "files": len(sources),
@@ -348,3 +384,20 @@ def train_tokenizer(
         "seconds": time.perf_counter() - t0,
         "sha256": tok.identity()["sha256"],
     }
+
+
+def _check_replaceable(out: Path, own: tuple[str, ...], force: bool) -> None:
+    """Refuse to replace ``out`` unless it is absent, an empty directory, or holds only files
+    named ``own`` (what jaxpar writes there) — or ``force`` (then it is replaced whole)."""
+    if not out.exists() or force:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out={str(out)!r}: is a file, expected a directory")
+        return
+    if not out.is_dir():
+        raise ConfigError(f"--out={str(out)!r}: is a file, expected a directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in own)
+    if foreign:
+        raise ConfigError(
+            f"--out={str(out)!r}: holds files jaxpar did not write ({', '.join(foreign[:3])}); "
+            "pass --force to replace the directory whole"
+        )

@@ -27,6 +27,10 @@ from jaxpar.errors import ConfigError
 
 BYTE = "byte"
 EOT = "<|endoftext|>"  # the end-of-text token of tokenizers trained by train_bpe
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what train_bpe writes
+# The largest vocabulary train_bpe accepts: its trainer holds a table per token and pair, and a
+# 2**20-token vocabulary is four times the largest in use (Gemma's 262k).
+MAX_VOCAB = 1 << 20
 _EOS_NAMES = (EOT, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 
 
@@ -169,6 +173,17 @@ def document_ids(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
     return out
 
 
+def check_vocab_size(vocab_size: int) -> None:
+    """Refuse a BPE vocabulary size that cannot be trained: below 258 or above MAX_VOCAB."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 258:
+        raise ConfigError(
+            f"--vocab-size={vocab_size}: must be at least 258 (256 byte symbols, the "
+            f"{EOT} token and one merge)"
+        )
+    if vocab_size > MAX_VOCAB:
+        raise ConfigError(f"--vocab-size={vocab_size}: must be at most {MAX_VOCAB}")
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, directory: str | Path) -> Path:
     """Train a byte-level BPE (GPT-2 style, ``<|endoftext|>`` = id 0) of ``vocab_size`` tokens
     on ``texts`` and write ``DIR/tokenizer.json`` and ``DIR/tokenizer_config.json``.
@@ -179,11 +194,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, directory: str | Path) -> P
     from tokenizers import Tokenizer as _Tok
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 258:
-        raise ConfigError(
-            f"--vocab-size={vocab_size}: must be at least 258 (256 byte symbols, the "
-            f"{EOT} token and one merge)"
-        )
+    check_vocab_size(vocab_size)
     tok = _Tok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -199,5 +210,5 @@ def train_bpe(texts: Iterable[str], vocab_size: int, directory: str | Path) -> P
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     config = {"eos_token": EOT, "tokenizer_class": "PreTrainedTokenizerFast"}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / TOKENIZER_FILES[1]).write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -12,13 +12,22 @@ same two functions here:
 :func:`read_yaml` turns every way a YAML file can be unreadable (a missing or unreadable file,
 a syntax error, NUL bytes, undecodable bytes, a ``!!python/...`` tag, which the safe loader
 refuses to construct) into one :class:`~jaxpar.errors.ConfigError` line naming the file, the
-line and the column.
+line and the column; duplicate keys, nesting deeper than :data:`MAX_YAML_DEPTH` and files larger
+than :data:`MAX_YAML_BYTES` are refused the same way.
+
+Files jaxpar reads back (token sidecars, checkpoint manifests, lock records, Hugging Face
+``config.json`` and safetensors headers) go through one mechanism too: :func:`read_json` (size
+and nesting bounded, every failure one line naming the file) and :func:`check_record`, which
+holds a mapping to a schema of :class:`Rule` (types, with ``True`` never an integer, and a rule
+per field), refusing in one line ``FILE: FIELD=VALUE: RULE``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,14 +152,57 @@ def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+MAX_YAML_BYTES = 1 << 20  # model and mesh files are a few hundred bytes
+MAX_YAML_DEPTH = 32  # the deepest jaxpar config nests three levels
+MAX_JSON_DEPTH = 64
+
+
+class _Loader(yaml.SafeLoader):
+    """The safe loader, refusing duplicate keys (which would silently keep the last value) and
+    nesting deeper than :data:`MAX_YAML_DEPTH` (the composer recurses per level)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        if self._depth > MAX_YAML_DEPTH:
+            mark = self.peek_event().start_mark
+            raise yaml.MarkedYAMLError(
+                problem=f"nested deeper than {MAX_YAML_DEPTH} levels", problem_mark=mark
+            )
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: the base constructor refuses it
+                    continue
+                if first is not key_node:
+                    raise yaml.MarkedYAMLError(
+                        problem=f"duplicate key {key!r} (first at line "
+                        f"{first.start_mark.line + 1})",
+                        problem_mark=key_node.start_mark,
+                    )
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path) -> Any:
-    """The YAML document in ``path`` (safe loader); every failure is one ConfigError line."""
+    """The YAML document in ``path`` (safe loader, duplicate keys refused, bounded size and
+    depth); every failure is one ConfigError line."""
+    raw = read_bytes(path, MAX_YAML_BYTES)
     try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror or type(e).__name__}") from None
-    try:
-        return yaml.safe_load(raw)
+        return yaml.load(raw, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         what = " ".join(x for x in (e.context, e.problem) if x) or type(e).__name__
@@ -174,3 +226,160 @@ def read_yaml(path: Path) -> Any:
         ) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {type(e).__name__}") from None
+
+
+# ---- files jaxpar reads back: JSON through a schema -------------------------------------------
+
+
+def read_bytes(path: str | Path, max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most ``max_bytes``; one ConfigError line otherwise
+    (a directory, a FIFO, a missing or unreadable file, a file too large to be one of jaxpar's)."""
+    p = Path(path)
+    why = not_a_file(p)
+    if why:
+        raise ConfigError(f"{path}: {why}")
+    try:
+        size = p.stat().st_size
+        if size > max_bytes:
+            raise ConfigError(f"{path}: {size} bytes: larger than the {max_bytes} allowed")
+        with open(p, "rb") as f:
+            return f.read(max_bytes + 1)[:max_bytes]
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or type(e).__name__}") from None
+
+
+def not_a_file(path: Path) -> str | None:
+    """Why ``path`` is not a regular file (the right word: missing, a directory, a FIFO...)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as e:
+        return f"cannot be read: {e.strerror or type(e).__name__}"
+    import stat
+
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory, expected a file"
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"is {kind}, not a regular file"
+
+
+def _depth(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests at most ``limit`` levels (iterative: no recursion limit)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return False
+        if isinstance(v, dict):
+            stack += [(x, d + 1) for x in v.values()]
+        elif isinstance(v, list):
+            stack += [(x, d + 1) for x in v]
+    return True
+
+
+def parse_json(raw: bytes | str, where: str) -> Any:
+    """JSON text as Python values; one ConfigError line for undecodable bytes, a syntax error
+    (with line and column), a non-finite constant or nesting deeper than :data:`MAX_JSON_DEPTH`."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {e.start})") from None
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        value = json.loads(text, parse_constant=constant)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise ConfigError(f"{where}: invalid JSON: {why}") from None
+    if not _depth(value, MAX_JSON_DEPTH):
+        raise ConfigError(f"{where}: invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def read_json(path: str | Path, max_bytes: int = 16 << 20) -> Any:
+    """The JSON document in the regular file ``path`` (bounded size and depth)."""
+    return parse_json(read_bytes(path, max_bytes), str(path))
+
+
+_KINDS: dict[str, Callable[[Any], bool]] = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": finite,
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "list": lambda v: isinstance(v, list),
+    "dict": lambda v: isinstance(v, dict),
+    "None": lambda v: v is None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What one field of a file must hold: its types (``"int"``, ``"float"`` — finite, an int
+    accepted —, ``"str"``, ``"bool"``, ``"list"``, ``"dict"``, ``"None"``; ``True`` is never an
+    int), an optional predicate with the rule it states, and whether the field may be absent."""
+
+    kinds: tuple[str, ...]
+    ok: Callable[[Any], bool] | None = None
+    rule: str = ""
+    required: bool = True
+
+    def why(self, value: Any) -> str | None:
+        """The rule ``value`` breaks, or None."""
+        if not any(_KINDS[k](value) for k in self.kinds):
+            return f"expected {_describe(set(self.kinds))}"
+        if value is not None and self.ok is not None:
+            try:
+                good = bool(self.ok(value))
+            except (TypeError, ValueError, OverflowError):
+                good = False
+            if not good:
+                return self.rule or "invalid"
+        return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_record(where: str, record: Any, schema: dict[str, Rule]) -> dict[str, Any]:
+    """``record`` if it is a mapping whose fields meet ``schema`` (unknown fields are kept
+    and ignored); else one ConfigError line ``WHERE: FIELD=VALUE: RULE``."""
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for name, rule in schema.items():
+        if name not in record:
+            if rule.required:
+                raise ConfigError(f"{where}: {name}: missing")
+            continue
+        why = rule.why(record[name])
+        if why:
+            raise ConfigError(f"{where}: {name}={_shown(record[name])}: {why}")
+    return record
+
+
+def plain_name(value: Any) -> bool:
+    """A file name inside its directory: no separator, not ``.``/``..``, not hidden, no NUL —
+    so a path read from a file stays in the directory that holds the file."""
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= 255
+        and "/" not in value
+        and "\\" not in value
+        and "\0" not in value
+        and not value.startswith(".")
+    )
+
+
+def plain_path(value: Any) -> bool:
+    """A relative path that stays inside its directory (no ``..``, not absolute, no NUL)."""
+    if not isinstance(value, str) or not value or "\0" in value or value.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in value.split("/"))

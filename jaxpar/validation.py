@@ -197,13 +197,13 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
         )
     check_layout(m, lay, t.global_batch, t.seq_len, n_devices)
-    if t.data not in ("stdlib", "synthetic") and not Path(t.data).exists():
+    if t.data not in ("stdlib", "synthetic") and (why := typed.not_a_file(Path(t.data))):
         raise ConfigError(
-            f"train.data={t.data!r}: token file does not exist (use 'stdlib', 'synthetic' "
-            "or a path to a .bin file)"
+            f"train.data={t.data!r}: token file {why} (use 'stdlib', 'synthetic' or a path to "
+            "a .bin file)"
         )
-    if t.eval_data is not None and not Path(t.eval_data).is_file():
-        raise ConfigError(f"train.eval_data={t.eval_data!r}: token file does not exist")
+    if t.eval_data is not None and (why := typed.not_a_file(Path(t.eval_data))):
+        raise ConfigError(f"train.eval_data={t.eval_data!r}: token file {why}")
 
 
 def check_layout(

@@ -169,8 +169,8 @@ def test_process_id_under_launch_names_the_right_field():
         ("# only a comment\n", "(the file is empty)"),
         ("n_layers: 4\n", "model.d_model: not set"),
         (MODEL_YAML + "rope_theta: fast\n", "model.rope_theta='fast': expected a number"),
-        (MODEL_YAML + "n_layers: 4.5\n", "model.n_layers=4.5: expected an integer"),
-        (MODEL_YAML + "d_ff: 0\n", "model.d_ff=0: must be a positive integer"),
+        (MODEL_YAML.replace("n_layers: 4", "n_layers: 4.5"), "model.n_layers=4.5: expected an"),
+        (MODEL_YAML.replace("d_ff: 128", "d_ff: 0"), "model.d_ff=0: must be a positive integer"),
         (MODEL_YAML + "norm_eps: .nan\n", "model.norm_eps=nan: must be a positive finite"),
     ],
 )

@@ -112,7 +112,7 @@ def test_jsonl_and_byte_tokenizer(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "docs.jsonl:1: no string field 'text'" in err[0]
     # the failed run left the previous output as it was, and no temporary file
-    assert (tmp_path / "c.bin").read_bytes() == b"x\0" and not list(tmp_path.glob("*.tmp"))
+    assert (tmp_path / "c.bin").read_bytes() == b"x\0" and not list(tmp_path.glob(".*.tmp-*"))
 
 
 @pytest.mark.parametrize(
@@ -136,4 +136,4 @@ def test_bad_input_one_line(tmp_path, capsys, extra, needle):
     assert main(["data", "prepare", str(doc), *out, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxpar data: error:") and needle in err[0], err
-    assert not (tmp_path / "t.bin").exists() and not list(tmp_path.glob("*.tmp"))
+    assert not (tmp_path / "t.bin").exists() and not list(tmp_path.glob(".*.tmp-*"))

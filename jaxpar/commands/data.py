@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _inputs(tt)
     tt.add_argument("--vocab-size", type=int, required=True, help="tokens, <|endoftext|> included")
     tt.add_argument("--out", required=True, help="directory for tokenizer.json")
+    tt.add_argument(
+        "--force", action="store_true", help="replace --out whole even if it holds other files"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
             f"{result['vocab_size']}, end-of-text id {result['eos_id']}"
         )
         return 0
-    result = prepare.train_tokenizer(args.inputs, args.vocab_size, args.out, args.text_field)
+    result = prepare.train_tokenizer(
+        args.inputs, args.vocab_size, args.out, args.text_field, force=args.force
+    )
     if args.json:
         emit_json(result)
     else:

@@ -30,15 +30,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     inference.add_arguments(p, LAYOUT_FLAGS)
 
 
+MAX_PROMPTS_BYTES = 64 << 20
+
+
 def _prompts(args: argparse.Namespace) -> list[str]:
     from jaxpar.errors import ConfigError
 
     prompts = list(args.prompt)
     if args.prompts_file is not None:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise ConfigError(f"--prompts-file={args.prompts_file!r}: no such file")
-        prompts += [ln for ln in path.read_text().splitlines() if ln.strip()]
+        from jaxpar import typed
+
+        where = f"--prompts-file={args.prompts_file!r}"
+        try:
+            raw = typed.read_bytes(Path(args.prompts_file), MAX_PROMPTS_BYTES)
+            text = raw.decode("utf-8")
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {str(e).split(': ', 1)[-1]}") from None
+        except UnicodeDecodeError as e:
+            line = raw[: e.start].count(b"\n") + 1
+            raise ConfigError(f"{where}: line {line}: not UTF-8 text (byte {e.start})") from None
+        prompts += [ln for ln in text.splitlines() if ln.strip()]
     if not prompts:
         raise ConfigError("--prompt: no prompts given (--prompt TEXT or --prompts-file FILE)")
     return prompts

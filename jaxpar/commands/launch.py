@@ -7,8 +7,16 @@ process). It is the local stand-in for a pod: the same code path as SLURM on GPU
 (``scripts/slurm_example.sbatch``), testable on a laptop.
 
 Process 0's standard output is passed through unchanged (so ``--json`` still ends stdout with the
-run's JSON); everything else goes to standard error prefixed ``[pI]``. When any child fails, the
-others are killed; a run longer than ``--timeout`` seconds is stopped as a whole (exit 124).
+run's JSON); everything else goes to standard error prefixed ``[pI]``. A run longer than
+``--timeout`` seconds is stopped as a whole (exit 124).
+
+When a child dies, the launcher says in one line which process died and how (``process 1 (pid
+N) was killed by SIGKILL`` or ``exited with code 3``), gives the survivors ``--grace`` seconds
+to stop on their own (each notices the dead peer in its next collective, says so in one line,
+and releases its outputs' locks; the newest complete checkpoint stays as it was), then
+SIGTERMs and finally SIGKILLs whoever is left. Exit codes of the launcher: 0 when every process
+exited 0; the failed process's own code when it exited non-zero; ``128 + N`` when it was killed
+by signal N (the shell's convention: 137 for SIGKILL); 124 on ``--timeout``.
 
 Before starting anything the command is parsed and, for ``train``/``bench``, its configuration
 validated here, so a bad flag is one line from the launcher rather than one per process; the
@@ -55,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--timeout", type=K.positive_float, default=3600.0, help="seconds before all are stopped"
     )
     p.add_argument(
+        "--grace",
+        type=K.positive_float,
+        default=30.0,
+        help="seconds the survivors get to stop on their own after a process dies (default 30)",
+    )
+    p.add_argument(
         "--init-timeout",
         type=K.positive_int,
         default=60,
@@ -78,6 +92,36 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             p.kill()
     for p in procs:
         p.wait()
+
+
+def how_it_ended(code: int) -> str:
+    """``exited with code 3`` / ``was killed by SIGKILL`` (a Popen returncode)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
+
+
+def exit_code(code: int) -> int:
+    """The launcher's exit code for a child's returncode: its own, or 128 + N for signal N."""
+    return 128 - code if code < 0 else code
+
+
+def _stop_survivors(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Give the survivors ``grace_s`` to stop on their own (their next collective fails and
+    they release their locks), then SIGTERM (2 s), then SIGKILL."""
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in procs if p.poll() is None]
+    for p in left:
+        p.terminate()
+    deadline = time.monotonic() + 2.0
+    while any(p.poll() is None for p in left) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class _Forward:
@@ -145,6 +189,10 @@ def check_command(n: int, argv: list[str], devices_per_process: int | None) -> N
 
         cfg = build_config(args)
         V.validate(cfg, n_devices=cfg.mesh.devices)
+        if args.verb == "train":
+            from jaxpar.preflight import preflight
+
+            preflight(cfg, data=False)  # every process would refuse the same, once here
         have = n * devices_per_process if devices_per_process else cfg.mesh.devices
         if have != cfg.mesh.devices:
             raise ConfigError(
@@ -165,6 +213,7 @@ def launch_local(
     timeout_s: float = 3600.0,
     init_timeout_s: int = 60,
     env: dict[str, str] | None = None,
+    grace_s: float = 30.0,
 ) -> int:
     """Run ``jaxpar <argv>`` in ``n`` local processes; the first non-zero exit code, or 0."""
     from jaxpar.distributed import free_port
@@ -211,7 +260,7 @@ def launch_local(
                     t = threading.Thread(target=_pump, args=(stream, sink, prefix), daemon=True)
                     t.start()
                     pumps.append(t)
-            rc = _wait(procs, timeout_s, forward)
+            rc = _wait(procs, timeout_s, forward, grace_s)
     finally:
         _kill(procs)
         for t in pumps:
@@ -219,22 +268,29 @@ def launch_local(
     return rc
 
 
-def _wait(procs: list[subprocess.Popen], timeout_s: float, forward: _Forward) -> int:
-    """The first non-zero exit code (the others are then killed), 124 on timeout, else 0."""
+def _wait(
+    procs: list[subprocess.Popen], timeout_s: float, forward: _Forward, grace_s: float = 30.0
+) -> int:
+    """The launcher's exit code (:func:`exit_code` of the first failed process; the others
+    stopped by :func:`_stop_survivors`), 124 on timeout, else 0."""
     deadline = time.monotonic() + timeout_s
     while None in (codes := [p.poll() for p in procs]):  # poll every child each time
-        failed = [c for c in codes if c not in (None, 0)]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed and not forward.count:
+            i, code = failed[0]
             print(
-                f"jaxpar launch: a process exited with {failed[0]}; stopping the others",
+                f"jaxpar launch: process {i} (pid {procs[i].pid}) {how_it_ended(code)}; "
+                f"stopping the others (up to {grace_s:g}s for them to stop on their own)",
                 file=sys.stderr,
+                flush=True,
             )
-            return failed[0]
+            _stop_survivors(procs, grace_s)
+            return exit_code(code)
         if time.monotonic() > deadline:
             print(f"jaxpar launch: timed out after {timeout_s:g}s; stopping all", file=sys.stderr)
             return 124
         time.sleep(0.1)
-    return next((p.returncode for p in procs if p.returncode), 0)
+    return next((exit_code(p.returncode) for p in procs if p.returncode), 0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,4 +298,11 @@ def run(args: argparse.Namespace) -> int:
     argv = list(args.command)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    return launch_local(args.local, argv, args.devices_per_process, args.timeout, args.init_timeout)
+    return launch_local(
+        args.local,
+        argv,
+        args.devices_per_process,
+        args.timeout,
+        args.init_timeout,
+        grace_s=args.grace,
+    )

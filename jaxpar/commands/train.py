@@ -89,6 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace outputs jaxpar did not write (a metrics file, an --export-hf directory) "
+        "whole",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="validate, resolve the layout, print the planner's memory estimate and exit; "
@@ -133,6 +139,8 @@ def build_config(args: argparse.Namespace):
         C.override(cfg, "train.resume_or_start", True)
     if args.no_progress:
         C.override(cfg, "train.progress", False)
+    if args.force:
+        C.override(cfg, "train.force", True)
     for item in args.override:
         if "=" not in item:
             raise ConfigError(f"-o {item!r}: expected FIELD=VALUE")
@@ -195,20 +203,12 @@ def dry_run(cfg, args: argparse.Namespace, verb: str = "train", auto: dict | Non
     from jaxpar import config as C
     from jaxpar import validation as V
     from jaxpar.distributed import process_config
+    from jaxpar.preflight import preflight
     from jaxpar.report import emit_json, human_bytes
-    from jaxpar.train import load_data
 
     V.validate(cfg, n_devices=cfg.mesh.devices)
     t = cfg.train
-    if t.init_from_hf:
-        from jaxpar.model.hf import check_config
-
-        check_config(t.init_from_hf, cfg.model)
-    if t.resume and t.init_from_hf:
-        raise C.ConfigError(f"train.init_from_hf={t.init_from_hf!r}: conflicts with --resume")
-    if (t.resume or t.resume_or_start) and not t.checkpoint_dir:
-        raise C.ConfigError("train.resume=True: needs train.checkpoint_dir (--checkpoint-dir)")
-    load_data(cfg)  # the vocabulary check (token files are memory-mapped, not read)
+    preflight(cfg)  # every check the real run makes before compiling
     outputs = {f: getattr(t, f) for f in ("checkpoint_dir", "tensorboard_dir", "profile_dir",
                                             "export_hf")}  # fmt: skip
     if t.metrics_file:
@@ -261,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
     """Validate, set up devices, train, report (or only validate: ``--dry-run``)."""
     from jaxpar import validation as V
     from jaxpar.distributed import setup
+    from jaxpar.lock import abort_on_signal
+    from jaxpar.preflight import preflight
     from jaxpar.report import emit_json
 
     cfg = build_config(args)
@@ -270,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(cfg, args, auto=auto)
     V.validate(cfg, n_devices=cfg.mesh.devices)
+    preflight(cfg, data=False)  # the run loads (and checks) the data itself
     pc = setup(
         cfg.mesh.hardware, cfg.mesh.devices, args.coordinator, args.num_processes, args.process_id
     )
@@ -277,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxpar.train.guard import resume_command
     from jaxpar.train.loop import run as train_run
 
-    result = train_run(cfg)
+    with abort_on_signal():  # a signal before the loop's own handler: locks released, exit 128+N
+        result = train_run(cfg)
     code = 0 if result["stopped"] is None else 3
     if result["preempted"]:
         # Preemption is a clean exit (0): the scheduler's requeue runs the printed command.

@@ -130,7 +130,7 @@ def resolve(
     if setting == "auto":
         if fits:
             return "cudnn"
-        return "native" if why_not_native is None and native.unavailable() is None else "blockwise"
+        return "native" if why_not_native is None and native.usable() else "blockwise"
     if setting == "native":
         why = why_not_native or native.unavailable()
         if why is not None:

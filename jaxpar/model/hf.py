@@ -39,8 +39,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar import typed
 from jaxpar.config import ModelConfig
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, JaxparError
 
 Params = dict[str, Any]
 
@@ -168,14 +169,13 @@ def _entries(c: ModelConfig) -> list[_Entry]:
 def read_config(directory: str | Path) -> dict[str, Any]:
     """The checkpoint's ``config.json`` as a dict."""
     path = Path(directory) / "config.json"
-    if not path.is_file():
+    if not Path(directory).is_dir():
+        gone = not Path(directory).exists()
+        why = "does not exist" if gone else "is a file, expected a directory"
+        raise ConfigError(f"train.init_from_hf={str(directory)!r}: {why}")
+    if not path.exists():
         raise ConfigError(f"train.init_from_hf={str(directory)!r}: no config.json in the directory")
-    try:
-        data = json.loads(path.read_bytes())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    data = typed.read_json(path, 1 << 20)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object at the top level")
     return data
@@ -271,11 +271,11 @@ class _Reader:
         self.where: dict[str, Path] = {}
         self.meta: dict[str, tuple[list[int], str]] = {}
         for p in self.files:
-            with safe_open(str(p), framework="np") as f:
-                for k in f.keys():
-                    s = f.get_slice(k)
-                    self.where[k] = p
-                    self.meta[k] = (list(s.get_shape()), s.get_dtype())
+            # checked here, so safetensors itself never meets a truncated or garbage file
+            for k, info in read_header(p).items():
+                self.where[k] = p
+                self.meta[k] = (list(info["shape"]), info["dtype"])
+        del safe_open
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.meta[name][0])
@@ -290,13 +290,87 @@ class _Reader:
             return f.get_tensor(name).astype(np.float32)
 
 
+# bytes per element of the safetensors dtypes
+ST_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+             "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+             "F64": 8}  # fmt: skip
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+_ST_ENTRY = {
+    "dtype": typed.Rule(("str",), lambda v: v in ST_DTYPES, "not a safetensors dtype"),
+    "shape": typed.Rule(
+        ("list",),
+        lambda v: all(typed._KINDS["int"](d) and d >= 0 for d in v),
+        "must be a list of integers >= 0",
+    ),  # fmt: skip
+    "data_offsets": typed.Rule(
+        ("list",),
+        lambda v: len(v) == 2 and all(typed._KINDS["int"](x) for x in v) and 0 <= v[0] <= v[1],
+        "must be [begin, end] with 0 <= begin <= end",
+    ),
+}
+
+
+def read_header(path: Path) -> dict[str, dict[str, Any]]:
+    """The tensor entries of a safetensors file's header, checked against the file: the header
+    length, its JSON, each entry's dtype, shape and offsets, and that the offsets lie in the
+    file and hold exactly ``prod(shape)`` elements. One ConfigError line otherwise."""
+    why = typed.not_a_file(path)
+    if why:
+        raise ConfigError(f"{path}: {why}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConfigError(f"{path}: {size} bytes: truncated (no safetensors header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise ConfigError(
+                f"{path}: header length {n}: beyond the file's {size} bytes (truncated, or not "
+                "a safetensors file)"
+            )
+        header = typed.parse_json(f.read(n), f"{path} (safetensors header)")
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path}: safetensors header: expected a JSON object")
+    data = size - 8 - n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        typed.check_record(f"{path}: tensor {name}", info, _ST_ENTRY)
+        lo, hi = info["data_offsets"]
+        want = int(np.prod(info["shape"], dtype=np.float64)) * ST_DTYPES[info["dtype"]]
+        if hi > data:
+            raise ConfigError(
+                f"{path}: tensor {name}: data_offsets end {hi} beyond the {data} data bytes "
+                "(the file is truncated)"
+            )
+        if hi - lo != want:
+            raise ConfigError(
+                f"{path}: tensor {name}: data_offsets hold {hi - lo} bytes, shape "
+                f"{info['shape']} of {info['dtype']} needs {want}"
+            )
+        out[name] = info
+    # safetensors itself refuses data bytes that no tensor covers, or tensors that overlap
+    end = 0
+    for name, info in sorted(out.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+        lo, hi = info["data_offsets"]
+        if lo != end:
+            raise ConfigError(
+                f"{path}: tensor {name}: data_offsets begin {lo}, expected {end} (tensors "
+                "must cover the data bytes in order, without gaps or overlaps)"
+            )
+        end = hi
+    if end != data:
+        raise ConfigError(f"{path}: the tensors cover {end} of the {data} data bytes")
+    return out
+
+
 def _read_bf16(path: Path, name: str) -> np.ndarray:
     import ml_dtypes
 
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    info = header[name]
+    info = read_header(path)[name]
     lo, hi = info["data_offsets"]
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n + lo, shape=(hi - lo,))
     return mm.view(ml_dtypes.bfloat16).reshape(info["shape"])
@@ -419,8 +493,63 @@ def export(params: Params, cfg: ModelConfig, directory: str | Path) -> Path | No
             tensors[e.hf] = e.to_hf(value, cfg)
     if jax.process_index() != 0:
         return None
+    import shutil
+
+    from jaxpar.lock import replace_dir, temp_name
+
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    tmp = temp_name(out)
+    try:
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / EXPORT_FILES[1]), metadata=EXPORT_METADATA)
+        (tmp / EXPORT_FILES[0]).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+        replace_dir(tmp, out)  # whole: no old shard or index is left beside the new weights
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own type for a full disk)
+        reason = getattr(e, "strerror", None) or (str(e) or type(e).__name__).splitlines()[0]
+        raise JaxparError(
+            f"train.export_hf={str(directory)!r}: writing the export failed: {reason}; "
+            f"{'the old directory is untouched' if out.exists() else 'nothing was written'}"
+        ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+EXPORT_FILES = ("config.json", "model.safetensors")
+EXPORT_METADATA = {"format": "pt", "writer": "jaxpar"}
+
+
+def check_export_target(directory: str | Path, force: bool = False) -> None:
+    """Refuse an export into a directory that holds anything but an earlier jaxpar export (its
+    two files, the weights marked as jaxpar's), unless ``force``; the export then replaces it
+    whole. Checked before training, so the refusal never comes after the run."""
+    out = Path(directory)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"train.export_hf={str(directory)!r}: is a file, expected a directory")
+    if force:
+        return
+    names = sorted(p.name for p in out.iterdir())
+    ours = set(names) <= set(EXPORT_FILES)
+    if ours and EXPORT_FILES[1] in names:
+        try:
+            meta = _metadata(out / EXPORT_FILES[1])
+        except ConfigError:
+            meta = {}
+        ours = meta.get("writer") == EXPORT_METADATA["writer"]
+    if not ours:
+        raise ConfigError(
+            f"train.export_hf={str(directory)!r}: holds files jaxpar's export did not write "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); choose an empty or "
+            "new directory, or pass --force to replace it whole"
+        )
+
+
+def _metadata(path: Path) -> dict[str, Any]:
+    read_header(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = typed.parse_json(f.read(n), str(path))
+    meta = header.get("__metadata__") or {}
+    return meta if isinstance(meta, dict) else {}

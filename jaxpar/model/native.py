@@ -10,9 +10,14 @@ Build. On first use the source is compiled with the machine's C++ compiler (``$C
 ``g++``, ``c++`` or ``clang++`` on the PATH; ``-O3 -march=native``, against the XLA FFI headers
 that jaxlib ships) into ``$JAXPAR_CACHE_DIR/native`` (default ``~/.cache/jaxpar/native``),
 one file per source, compiler, jax version and host, written under a temporary name and renamed
-into place so that concurrent processes never load a half-written library. Without a compiler
-(or when the build fails) :func:`unavailable` says why, ``model.attention=auto`` keeps the
-blockwise kernel and a forced ``native`` is refused in one line.
+into place so that concurrent processes never load a half-written library. The cache directory
+is created private to the user (0700) and used only if it still is (owned by the user, writable
+by no one else); beside each library its SHA-256, written by the build, is checked before the
+library is loaded, so a library that this jaxpar did not build is never loaded (a mismatch
+rebuilds it). Without a compiler, with a cache that cannot be written or is not private, or
+when the build fails, :func:`unavailable` says why, ``model.attention=auto`` keeps the
+blockwise kernel with one warning line (:func:`usable`) and a forced ``native`` is refused in
+one line.
 
 Envelope: CPU, float32, head dim 16, 32, 64 or 128. Under a mesh the kernel runs per device in a
 ``jax.shard_map`` over the mesh axes that shard its operands (batch over dp, heads over tp, as
@@ -27,15 +32,17 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, JaxparWarning
 from jaxpar.sharding import active_rules
 
 SOURCE = Path(__file__).resolve().parent.parent / "native" / "flash_cpu.cc"
@@ -55,9 +62,28 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _private_dir(path: Path) -> str | None:
+    """Create ``path`` (0700) if needed; why it cannot hold libraries to load, or None."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as e:
+        return f"cache directory {path} cannot be created: {e.strerror or e}"
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"cache directory {path} is not private to this user (owner or mode); not used"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"cache directory {path} is not writable"
+    return None
+
+
 @functools.cache
 def _build() -> tuple[Path | None, str | None]:
-    """``(library, None)`` once built, or ``(None, reason)``."""
+    """``(library, None)`` once built (or found with the hash its build recorded), or
+    ``(None, reason)``."""
     cxx = _compiler()
     if cxx is None:
         return None, "no C++ compiler found ($CXX, g++, c++ or clang++)"
@@ -75,22 +101,32 @@ def _build() -> tuple[Path | None, str | None]:
         )
     ).hexdigest()[:16]
     lib = _cache_dir() / f"flash_cpu-{key}.so"
-    if lib.exists():
-        return lib, None
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-    os.close(fd)
+    digest = lib.with_name(lib.name + ".sha256")
+    why = _private_dir(lib.parent)
+    if why is not None:
+        return None, why
+    try:
+        if lib.exists() and digest.exists() and digest.read_text().strip() == _sha256(lib):
+            return lib, None
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        os.close(fd)
+    except OSError as e:
+        return None, f"cache directory {lib.parent}: {e.strerror or e}"
     cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
+            return None, f"compiling {SOURCE.name} with {cxx} failed: {first}"
+        # the hash first: a library without its recorded hash is never loaded
+        from jaxpar.lock import write_atomic
+
+        write_atomic(digest, (_sha256(Path(tmp)) + "\n").encode())
+        os.replace(tmp, lib)
     except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"compiling {SOURCE.name} failed: {getattr(e, 'strerror', None) or e}"
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        return None, f"compiling {SOURCE.name} failed: {e}"
-    if done.returncode != 0:
-        Path(tmp).unlink(missing_ok=True)
-        first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
-        return None, f"compiling {SOURCE.name} with {cxx} failed: {first}"
-    os.replace(tmp, lib)
     return lib, None
 
 
@@ -112,6 +148,21 @@ def _register() -> str | None:
 def unavailable() -> str | None:
     """Why the native kernel cannot run in this process (None: it can)."""
     return _register()
+
+
+@functools.cache
+def usable() -> bool:
+    """Whether ``model.attention=auto`` can pick the native kernel; when it cannot, one
+    warning line (once per process) says why and that the blockwise kernel runs instead."""
+    why = unavailable()
+    if why is not None:
+        warnings.warn(
+            f"model.attention=auto: the native CPU kernel is not available ({why}); running "
+            "the blockwise kernel",
+            JaxparWarning,
+            stacklevel=2,
+        )
+    return why is None
 
 
 def applies(platform_name: str, dtype, head_dim: int) -> str | None:

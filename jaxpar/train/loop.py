@@ -24,7 +24,7 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.data import Batches, SequentialBatches
 from jaxpar.devices import make_mesh
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.lock import LOCK_NAME, RunLock
+from jaxpar.lock import RunLock
 from jaxpar.metrics import MetricsLog, Progress, device_memory
 from jaxpar.model.attention import implementation_for
 from jaxpar.profiling import StepProfiler
@@ -143,43 +143,16 @@ def _heldout(batches: Batches) -> SequentialBatches:
 
 
 def _metrics_path(cfg: C.RunConfig) -> str | None:
-    t = cfg.train
-    return t.metrics_file or (f"{t.checkpoint_dir}/metrics.jsonl" if t.checkpoint_dir else None)
+    from jaxpar.outputs import metrics_path
+
+    return metrics_path(cfg)
 
 
 def _lock_outputs(cfg: C.RunConfig) -> list[RunLock]:
-    """Lock the checkpoint directory (and a metrics file kept elsewhere) for this run: process 0
-    takes the locks, and every process learns whether it could, before anything compiles."""
-    from jaxpar.distributed import any_process
+    """Lock this run's outputs before anything compiles (:func:`jaxpar.outputs.lock_outputs`)."""
+    from jaxpar.outputs import lock_outputs
 
-    t = cfg.train
-    targets = []
-    if t.checkpoint_dir:
-        what = f"train.checkpoint_dir={t.checkpoint_dir!r}"
-        targets.append((Path(t.checkpoint_dir), LOCK_NAME, what))
-    if t.metrics_file:
-        m = Path(t.metrics_file)
-        if not t.checkpoint_dir or m.absolute().parent != Path(t.checkpoint_dir).absolute():
-            targets.append((m.parent, m.name + ".lock", f"train.metrics_file={t.metrics_file!r}"))
-    locks: list[RunLock] = []
-    error: Exception | None = None
-    if jax.process_index() == 0:
-        try:
-            for directory, name, what in targets:
-                try:
-                    directory.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise CheckpointError(f"{what}: not writable: {e.strerror or e}") from None
-                locks.append(RunLock(directory / name, what).acquire())
-        except CheckpointError as e:
-            error = e
-    if any_process(error is not None):
-        for lock in locks:
-            lock.release()
-        raise error or CheckpointError(
-            "the output directory is in use by another run (process 0 names it)"
-        )
-    return locks
+    return lock_outputs(cfg)
 
 
 @contextlib.contextmanager

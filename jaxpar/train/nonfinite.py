@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxpar.lock import write_atomic
 from jaxpar.report import _clean
 
 
@@ -75,11 +76,11 @@ def nonfinite_leaves(finite_tree: Any) -> list[str]:
 
 
 def write_nonfinite_report(path: str | Path, record: dict[str, Any]) -> Path:
-    """Write the diagnostic of a non-finite step (JSON) and return its path."""
+    """Write the diagnostic of a non-finite step (JSON, atomically: a temporary name of this
+    run, renamed) and return its path. It lands beside the run's locked outputs."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(_clean(record), indent=2) + "\n")  # NaN/inf become null
-    return p
+    return write_atomic(p, (json.dumps(_clean(record), indent=2) + "\n").encode())  # NaN: null
 
 
 def inject_nonfinite(grads: Any, poison: jax.Array) -> Any:
