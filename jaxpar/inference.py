@@ -25,7 +25,7 @@ from jaxpar.errors import CheckpointError, ConfigError
 def add_arguments(p: argparse.ArgumentParser, layout_flags: tuple[str, ...]) -> None:
     """Where the weights come from, the tokenizer, the devices and the layout flags (names of
     :data:`jaxpar.commands.train.FLAGS`)."""
-    from jaxpar.commands.train import FLAGS
+    from jaxpar.commands.flags import FLAGS
 
     g = p.add_argument_group("weights (one of)")
     g.add_argument("--checkpoint-dir", default=None, help="a jaxpar checkpoint directory")
@@ -105,7 +105,7 @@ class Source:
 def resolve(args: argparse.Namespace, layout_flags: tuple[str, ...], **layout: Any) -> Source:
     """Model shape and layout from the flags and the weights' record; validated, JAX not
     started. ``layout`` holds defaults (e.g. ``dp=1``) that flags override."""
-    from jaxpar.commands.train import FLAGS
+    from jaxpar.commands.flags import FLAGS
     from jaxpar.model import hf
 
     ck, hf_dir = args.checkpoint_dir, args.init_from_hf

@@ -24,7 +24,7 @@ STEP_FLAGS = ("global_batch", "seq_len", "devices", "dp", "tp", "pp", "sp", "zer
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``jaxpar compile``."""
-    from jaxpar.commands.train import FLAGS
+    from jaxpar.commands.flags import FLAGS
 
     p.add_argument("--model", default="tiny", help="model name (models/NAME.yaml) or YAML path")
     p.add_argument("--mesh", default="h100-8", help="GPU mesh name (meshes/NAME.yaml) or path")

@@ -27,7 +27,7 @@ LAYOUT_FLAGS = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``jaxpar plan``."""
-    from jaxpar.commands.train import FLAGS
+    from jaxpar.commands.flags import FLAGS
 
     p.add_argument("--model", required=True, help="model name (models/NAME.yaml) or YAML path")
     p.add_argument("--mesh", required=True, help="mesh name (meshes/NAME.yaml) or YAML path")
