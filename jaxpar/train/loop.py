@@ -212,6 +212,9 @@ def _train(
                 "step_time_s": dt,
                 "tokens_per_s": tokens_per_step / dt,
             }
+            if "moe_load" in m:  # MoE: per layer, max/mean expert load and dropped assignments
+                rec["moe_load"] = [float(v) for v in m["moe_load"]]
+                rec["moe_dropped"] = [int(v) for v in m["moe_dropped"]]
             why = div.check(done, loss, finite)
             if not finite:
                 # The step already kept the previous params and optimizer state (see Trainer).
