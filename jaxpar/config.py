@@ -34,6 +34,37 @@ ATTENTION = ("auto", "blockwise", "dense", "cudnn", "native")
 ON_NONFINITE = ("skip", "stop")
 PLATFORMS = ("cpu", "gpu", "tpu")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # token files (.bin)
+ROUTERS = ("softmax", "sigmoid")  # MoE router scores: Mixtral / Qwen (softmax), DeepSeek-V3
+
+
+@dataclass
+class MoeConfig:
+    """Mixture of experts in the feed-forward of some blocks (``experts`` 0: a dense model).
+
+    Layers ``0 .. first_dense-1`` are dense; after them every ``every``-th layer is MoE (groups
+    of ``every - 1`` dense blocks then one MoE block). Routed experts are SwiGLU FFNs of width
+    ``expert_ff``; ``shared_experts`` of that width run on every token (DeepSeek, Qwen).
+    ``capacity_factor`` 0 routes without dropping; c > 0 caps each expert at
+    ``ceil(c * top_k * S / experts)`` assignments per sequence (GShard's priority: every
+    token's first choice before any second choice, then by position).
+    """
+
+    experts: int = 0
+    top_k: int = 2
+    shared_experts: int = 0
+    expert_ff: int = 0  # 0: model.d_ff
+    first_dense: int = 0
+    every: int = 1
+    router: str = "softmax"  # ROUTERS; selected scores are normalised to sum 1 either way
+    route_scale: float = 1.0  # gates scaled after normalisation (DeepSeek-V3: 2.5)
+    capacity_factor: float = 0.0
+    bias_rate: float = 1e-3  # auxiliary-loss-free balancing step (0 disables the bias rule)
+    aux_loss: float = 0.0  # Switch-style load-balancing loss coefficient (0: none)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model has routed experts."""
+        return self.experts > 0
 
 
 @dataclass
@@ -59,6 +90,11 @@ class ModelConfig:
     attention_block: int = 64  # query/key positions per tile of the blockwise kernel
     layer_unroll: int = 1  # layer loop: 1 = lax.scan, k = unrolled by k, 0 = no loop
     loss_chunk: int = 1024  # sequence positions per cross-entropy chunk ([B, chunk, V] logits)
+    moe: MoeConfig = field(default_factory=MoeConfig)
+
+    def __post_init__(self):
+        if isinstance(self.moe, dict):  # ModelConfig(**asdict(...)) round trips
+            self.moe = MoeConfig(**self.moe)
 
     @property
     def hd(self) -> int:
@@ -72,7 +108,35 @@ class ModelConfig:
         mlp = (3 if self.mlp == "swiglu" else 2) * d * self.d_ff
         layer = attn + mlp + 2 * d
         embed = self.vocab_size * d * (1 if self.tied_embeddings else 2)
-        return self.n_layers * layer + embed + d
+        total = self.n_layers * layer + embed + d
+        if self.moe.enabled:  # MoE layers swap their FFN for router, bias and experts
+            e = self.moe
+            ffns = e.experts + e.shared_experts
+            moe_ffn = d * e.experts + e.experts + 3 * d * self.expert_ff * ffns
+            total += self.moe_layers() * (moe_ffn - mlp)
+        return total
+
+    def active_param_count(self) -> int:
+        """Parameters one token's forward reads (top_k routed experts of each MoE layer)."""
+        if not self.moe.enabled:
+            return self.param_count()
+        unused = 3 * self.d_model * self.expert_ff * (self.moe.experts - self.moe.top_k)
+        return self.param_count() - self.moe_layers() * unused
+
+    @property
+    def expert_ff(self) -> int:
+        """FFN width of one expert (``moe.expert_ff``, or ``d_ff`` when 0)."""
+        return self.moe.expert_ff or self.d_ff
+
+    def moe_layers(self) -> int:
+        """Number of MoE blocks (0 for a dense model)."""
+        if not self.moe.enabled:
+            return 0
+        return max(self.n_layers - self.moe.first_dense, 0) // self.moe.every
+
+    def dense_prefix(self) -> int:
+        """Dense blocks before the first MoE group (all of them for a dense model)."""
+        return self.moe.first_dense if self.moe.enabled else self.n_layers
 
 
 @dataclass
@@ -122,6 +186,9 @@ class LayoutConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     reduce_dtype: str = "float32"
+    # Expert parallelism folded onto dp: routed experts sharded over groups of `ep` consecutive
+    # dp ranks (jaxpar.model.moe); everything else stays data-parallel over them.
+    ep: int = 1
 
     @property
     def n_devices(self) -> int:
@@ -251,7 +318,7 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
 
 
 def nested_type(f: dataclasses.Field) -> type | None:
-    nested = {"HardwareConfig": HardwareConfig, "LayoutConfig": LayoutConfig}
+    nested = {c.__name__: c for c in (HardwareConfig, LayoutConfig, MoeConfig)}
     t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     return nested.get(t)
 

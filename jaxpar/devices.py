@@ -74,4 +74,9 @@ def make_mesh(layout: LayoutConfig, devices: Sequence | None = None):
         # inner: consecutive devices of one node). The batch spans both; ZeRO shards over dps.
         shape = (layout.pp, layout.dp // layout.dp_shard, layout.dp_shard, layout.sp, layout.tp)
         grid, axes = grid.reshape(shape), ("pp", "dpr", "dps", "sp", "tp")
+    if layout.ep > 1:
+        # Expert parallelism folded onto dp: dp = edp (replicas of an expert shard, outer) x ep
+        # (expert shards, inner: the all-to-all stays among consecutive devices of one node).
+        shape = (layout.pp, layout.dp // layout.ep, layout.ep, layout.sp, layout.tp)
+        grid, axes = grid.reshape(shape), ("pp", "edp", "ep", "sp", "tp")
     return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))

@@ -159,6 +159,8 @@ class Generator:
     """
 
     def __init__(self, model: Model, mesh, rules: Rules, dtype=jnp.float32):
+        if model.cfg.moe.enabled:  # the decode loop scans the dense layer stack only
+            raise ConfigError("model.moe: generation from a MoE model: not supported yet")
         self.model, self.mesh, self.rules, self.dtype = model, mesh, rules, dtype
         self._compiled: dict[tuple, tuple[Any, Any]] = {}
 

@@ -23,14 +23,16 @@ from jaxpar.config import LayoutConfig, ModelConfig
 
 LOGICAL_AXES = (
     "batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
-    "act_seq", "attn_seq", "attn_heads", "attn_kv_heads", "stage",
+    "act_seq", "attn_seq", "attn_heads", "attn_kv_heads", "stage", "experts", "expert_bias",
 )  # fmt: skip
 """``act_seq``: the residual stream's sequence dim (``sp``, plus ``tp`` under Megatron-SP);
 ``seq``: the sequence dim inside a block, between column- and row-parallel matmuls (``sp``);
 ``attn_seq``/``attn_heads``/``attn_kv_heads``: the attention core's layout (Ulysses: full
 sequence, heads over ``tp`` then ``sp``; ring and plain: as inside the block); ``stage``: the
 leading ``[pp]`` slot dim of a pipeline's stage-owned embedding and head
-(:mod:`jaxpar.pipeline.rest`)."""
+(:mod:`jaxpar.pipeline.rest`); ``experts``: the routed-expert dim of MoE weights (``ep``);
+``expert_bias``: the per-expert routing bias, replicated, never trained nor decayed
+(:mod:`jaxpar.model.moe`)."""
 
 ATTENTION_MODES = ("local", "ulysses", "ring")
 
@@ -104,9 +106,12 @@ def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
     # Pipeline: stacked layers split over pp at rest (rank r holds layers r·L/pp ...), and the
     # slot dim of the stage-owned embedding/head (jaxpar.pipeline.rest).
     layers = (("layers", ("pp",)), ("stage", ("pp",))) if layout.pp > 1 else ()
+    # Expert parallelism: routed experts over the ep sub-axis of dp (jaxpar.model.moe).
+    experts = (("experts", ("ep",)),) if layout.ep > 1 else ()
     return Rules(
         (
             *layers,
+            *experts,
             ("batch", dp_axes(layout)),
             ("act_seq", act_seq),
             ("seq", ("sp",)),
@@ -166,19 +171,33 @@ def hybrid(layout: LayoutConfig) -> bool:
     return 0 < layout.dp_shard < layout.dp
 
 
+def expert_parallel(layout: LayoutConfig) -> bool:
+    """Expert parallelism: ``dp`` split into ``edp × ep``, routed experts sharded over ``ep``."""
+    return layout.ep > 1
+
+
 def dp_axes(layout: LayoutConfig) -> MeshAxes:
-    """Mesh axes the batch is split over: ``('dp',)``, or ``('dpr', 'dps')`` under hybrid
-    sharding (:func:`jaxpar.devices.make_mesh` splits ``dp`` into replica groups × shards)."""
+    """Mesh axes the batch is split over: ``('dp',)``; ``('dpr', 'dps')`` under hybrid
+    sharding (:func:`jaxpar.devices.make_mesh` splits ``dp`` into replica groups × shards);
+    ``('edp', 'ep')`` under expert parallelism (expert replicas × expert shards)."""
+    if expert_parallel(layout):
+        return ("edp", "ep")
     return ("dpr", "dps") if hybrid(layout) else ("dp",)
 
 
 def zero_axis(layout: LayoutConfig) -> str:
-    """The mesh axis ZeRO shards states over (``dps`` under hybrid sharding, else ``dp``)."""
+    """The mesh axis ZeRO shards states over (``dps`` under hybrid sharding, ``edp`` under
+    expert parallelism, else ``dp``)."""
+    if expert_parallel(layout):
+        return "edp"
     return "dps" if hybrid(layout) else "dp"
 
 
 def zero_size(layout: LayoutConfig) -> int:
-    """Number of ZeRO shards N (the ``dp_shard`` group size under hybrid sharding)."""
+    """Number of ZeRO shards N (the ``dp_shard`` group size under hybrid sharding, ``dp/ep``
+    under expert parallelism)."""
+    if expert_parallel(layout):
+        return layout.dp // layout.ep
     return layout.dp_shard if hybrid(layout) else layout.dp
 
 

@@ -27,6 +27,7 @@ from jaxpar.config import (
     PIPELINE_MEMORY,
     PLATFORMS,
     REMAT,
+    ROUTERS,
     SCHEDULES,
     SP_MODES,
     TOKEN_DTYPES,
@@ -137,6 +138,78 @@ def _check_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.d_model={m.d_model}: must be divisible by n_heads={m.n_heads}")
     if m.hd % 2:
         raise ConfigError(f"model.head_dim={m.hd}: must be even for rotary embeddings")
+    _check_moe(m)
+
+
+def _check_moe(m: ModelConfig) -> None:
+    """The ``model.moe`` section: expert counts, routing and which layers are MoE."""
+    e = m.moe
+    _at_least_0("model.moe.experts", e.experts, " (0: a dense model)")
+    if not e.enabled:
+        return
+    _positive("model.moe.top_k", e.top_k)
+    if e.top_k > e.experts:
+        raise ConfigError(
+            f"model.moe.top_k={e.top_k}: must be at most model.moe.experts={e.experts}"
+        )
+    _at_least_0("model.moe.shared_experts", e.shared_experts)
+    _at_least_0("model.moe.expert_ff", e.expert_ff, " (0: model.d_ff)")
+    _one_of("model.moe.router", e.router, ROUTERS)
+    _number("model.moe.route_scale", e.route_scale, 0)
+    for name in ("bias_rate", "aux_loss"):
+        _number(f"model.moe.{name}", getattr(e, name), 0, lo_open=False)
+    if e.capacity_factor != 0:
+        _number("model.moe.capacity_factor", e.capacity_factor, 0, lo_open=False)
+        if e.capacity_factor < 1:
+            raise ConfigError(
+                f"model.moe.capacity_factor={e.capacity_factor:g}: must be 0 (dropless) or >= 1 "
+                f"(below 1 the experts cannot hold the top_k*tokens/experts assignments of a "
+                f"balanced router)"
+            )
+    _at_least_0("model.moe.first_dense", e.first_dense)
+    _positive("model.moe.every", e.every)
+    moe_span = m.n_layers - e.first_dense
+    if moe_span < e.every or moe_span % e.every:
+        raise ConfigError(
+            f"model.moe.every={e.every}: must divide the n_layers - first_dense = "
+            f"{m.n_layers}-{e.first_dense} = {moe_span} layers after the dense ones (and fit them)"
+        )
+    if m.mlp != "swiglu":
+        raise ConfigError(f"model.mlp={m.mlp!r}: MoE experts are SwiGLU; set model.mlp=swiglu")
+
+
+def _check_moe_layout(m: ModelConfig, lay: LayoutConfig) -> None:
+    """Expert parallelism and the layouts MoE runs on (checked with the layout rules)."""
+    e = m.moe
+    _positive("layout.ep", lay.ep)
+    if lay.ep > 1 and not e.enabled:
+        raise ConfigError(
+            f"layout.ep={lay.ep}: expert parallelism needs a MoE model (model.moe.experts > 0)"
+        )
+    if lay.ep > 1 and lay.dp % lay.ep:
+        raise ConfigError(
+            f"layout.ep={lay.ep}: must divide layout.dp={lay.dp} (experts are sharded over "
+            f"groups of ep data-parallel ranks)"
+        )
+    if not e.enabled:
+        return
+    if e.experts % lay.ep:
+        raise ConfigError(
+            f"layout.ep={lay.ep}: model.moe.experts={e.experts} must be divisible by ep"
+        )
+    if lay.pp > 1:
+        raise ConfigError(f"layout.pp={lay.pp}: model.moe with pp>1: not supported yet")
+    if lay.sp > 1:
+        raise ConfigError(f"layout.sp={lay.sp}: model.moe with sp>1: not supported yet")
+    if lay.ep > 1 and 0 < lay.dp_shard < lay.dp:
+        raise ConfigError(
+            f"layout.dp_shard={lay.dp_shard}: hybrid sharding with layout.ep={lay.ep}: not "
+            "supported yet"
+        )
+    if lay.tp > 1 and m.expert_ff % lay.tp:
+        raise ConfigError(
+            f"layout.tp={lay.tp}: the expert FFN width {m.expert_ff} must be divisible by tp"
+        )
 
 
 def _check_hardware(mesh: MeshConfig) -> None:
@@ -197,6 +270,9 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
         )
     check_layout(m, lay, t.global_batch, t.seq_len, n_devices)
+    for name in ("init_from_hf", "export_hf"):
+        if m.moe.enabled and getattr(t, name):
+            raise ConfigError(f"train.{name}={getattr(t, name)!r}: model.moe: not supported yet")
     if t.data not in ("stdlib", "synthetic") and (why := typed.not_a_file(Path(t.data))):
         raise ConfigError(
             f"train.data={t.data!r}: token file {why} (use 'stdlib', 'synthetic' or a path to "
@@ -246,6 +322,7 @@ def check_layout(
     if lay.tp > 1 and m.d_ff % lay.tp:
         raise ConfigError(f"layout.tp={lay.tp}: model.d_ff={m.d_ff} must be divisible by tp")
     _check_heads(m, lay)
+    _check_moe_layout(m, lay)
     if m.n_layers % (lay.pp * lay.virtual):
         raise ConfigError(
             f"model.n_layers={m.n_layers}: must be divisible by pp*virtual="

@@ -35,6 +35,8 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "tp": ("layout.tp", K.positive_int, "tensor-parallel size"),
     "pp": ("layout.pp", K.positive_int, "pipeline stages"),
     "sp": ("layout.sp", K.positive_int, "sequence/context-parallel size"),
+    "ep": ("layout.ep", K.positive_int, "expert-parallel size: experts over groups of ep dp "
+           "ranks (MoE models; divides dp)"),
     "zero": ("layout.zero", K.int_in(0, 3), "ZeRO stage 0-3"),
     "microbatches": ("layout.microbatches", K.positive_int, "micro-batches per step"),
     "schedule": ("layout.schedule", str, "pipeline schedule"),

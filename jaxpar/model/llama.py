@@ -7,6 +7,13 @@ a plain nested dict of arrays::
      "layers": {<Block params, each with a leading [L] axis>},
      "head": {"norm": {"scale": [D]}, "w_out": [D, V]}}      # no w_out when tied
 
+A MoE model (``model.moe``) keeps its first ``first_dense`` blocks in ``layers`` (absent when
+there are none) and the rest in ``moe_layers``: ``G`` groups, each ``every - 1`` dense blocks
+(``dense``, ``[G, every-1, ...]``, absent when ``every`` is 1) then one MoE block (``moe``,
+``[G, ...]``). Two stacks, each scanned with ``lax.scan`` over identical bodies, rather than one
+stack of blocks that all carry both FFNs (E times the dense FFN's memory in every dense layer)
+or a ``lax.switch`` per layer (every branch's parameters in every slice of the scan).
+
 so that sharding, ZeRO, the layer scan and the pipeline executor can slice and place it without
 touching the math. :class:`Model` binds the pure dict back into NNX modules per call (at trace
 time only; the compiled program is the same as hand-written functions).
@@ -50,6 +57,7 @@ class Hooks:
     layer: Wrap | None = None
     embed: Callable[[Params], Params] = _same
     head: Wrap = _same
+    moe_layer: Wrap | None = None  # as ``layer``, for the MoE group scan (``moe_layers``)
 
 
 class Embed(nnx.Module):
@@ -145,15 +153,33 @@ def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array) -> jax.Array:
     return jnp.mean(lse_BxS - picked_BxS)
 
 
+def _stack(factory: Callable[[nnx.Rngs], nnx.Module], key: jax.Array, n: int) -> nnx.Module:
+    """``n`` modules stacked on a leading axis, one key each."""
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def stack(k):
+        return factory(nnx.Rngs(params=k))
+
+    return stack(jax.random.split(key, n))
+
+
+class _MoeGroup(nnx.Module):
+    """``every - 1`` dense blocks, then one MoE block."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        if cfg.moe.every > 1:
+            self.dense = _stack(lambda r: Block(cfg, r), rngs.params(), cfg.moe.every - 1)
+        self.moe = Block(cfg, rngs, moe=True)
+
+
 class _Full(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.embed = Embed(cfg, rngs)
-
-        @nnx.vmap(in_axes=0, out_axes=0)
-        def stack(key):
-            return Block(cfg, nnx.Rngs(params=key))
-
-        self.layers = stack(jax.random.split(rngs.params(), cfg.n_layers))
+        if cfg.dense_prefix():
+            self.layers = _stack(lambda r: Block(cfg, r), rngs.params(), cfg.dense_prefix())
+        if cfg.moe.enabled:
+            groups = cfg.moe_layers()
+            self.moe_layers = _stack(lambda r: _MoeGroup(cfg, r), rngs.params(), groups)
         self.head = Head(cfg, rngs)
 
 
@@ -177,6 +203,7 @@ class Model:
         for name, factory in (
             ("embed", lambda: Embed(cfg, nnx.Rngs(params=0))),
             ("block", lambda: Block(cfg, nnx.Rngs(params=0))),
+            ("moe_block", lambda: Block(cfg, nnx.Rngs(params=0), moe=cfg.moe.enabled)),
             ("head", lambda: Head(cfg, nnx.Rngs(params=0))),
         ):
             self._defs[name] = nnx.split(nnx.eval_shape(factory))
@@ -195,11 +222,22 @@ class Model:
         )
 
     def logical_axes(self) -> Params:
-        """Logical axes of every parameter; stacked layers get a leading ``layers`` axis."""
+        """Logical axes of every parameter; stacked layers get a leading ``layers`` axis (the
+        dense blocks inside a MoE group two)."""
         tree = nnx.to_pure_dict(_logical(self._abstract_state))
-        tree["layers"] = jax.tree.map(
-            lambda ax: ("layers", *ax), tree["layers"], is_leaf=lambda x: isinstance(x, tuple)
-        )
+
+        def stacked(t, n=1):
+            return jax.tree.map(
+                lambda ax: ("layers",) * n + ax, t, is_leaf=lambda x: isinstance(x, tuple)
+            )
+
+        if "layers" in tree:
+            tree["layers"] = stacked(tree["layers"])
+        if "moe_layers" in tree:
+            group = tree["moe_layers"]
+            group["moe"] = stacked(group["moe"])
+            if "dense" in group:
+                group["dense"] = stacked(group["dense"], 2)
         return tree
 
     def _bind(self, name: str, params: Params) -> nnx.Module:
@@ -242,15 +280,39 @@ class Model:
         def body(x, layer_params):
             return self.block(layer_params, x, positions_S), None
 
+        return self._scan(body, stacked, x_BxSxD, wrap)[0]
+
+    def moe_groups(
+        self,
+        stacked: Params,
+        x_BxSxD: jax.Array,
+        positions_S: jax.Array,
+        wrap: Callable[[Callable], Callable] | None = None,
+    ) -> tuple[jax.Array, Any]:
+        """Apply the MoE groups (``moe_layers``), in order: the output and the per-group
+        :class:`jaxpar.model.moe.MoeStats` stacked ``[G, ...]``."""
+
+        def body(x, group):
+            if "dense" in group:
+                x = self.blocks(group["dense"], x, positions_S)
+            moe = self._bind("moe_block", group["moe"])
+            return moe.with_stats(x, positions_S)
+
+        return self._scan(body, stacked, x_BxSxD, wrap)
+
+    def _scan(self, body: Callable, stacked: Params, x_BxSxD: jax.Array, wrap) -> tuple:
+        """``body`` over the leading axis of ``stacked`` (wrapped), as ``model.layer_unroll``
+        says; returns the carry and the bodies' stacked outputs."""
         fn = wrap(body) if wrap else body
         n = jax.tree.leaves(stacked)[0].shape[0]
         unroll = self.loop_unroll(n, wrap is not None)
         if unroll is None:
+            outs = []
             for i in range(n):
-                x_BxSxD, _ = fn(x_BxSxD, jax.tree.map(lambda a, i=i: a[i], stacked))
-            return x_BxSxD
-        x_BxSxD, _ = jax.lax.scan(fn, x_BxSxD, stacked, unroll=unroll)
-        return x_BxSxD
+                x_BxSxD, out = fn(x_BxSxD, jax.tree.map(lambda a, i=i: a[i], stacked))
+                outs.append(out)
+            return x_BxSxD, jax.tree.map(lambda *o: jnp.stack(o), *outs)
+        return jax.lax.scan(fn, x_BxSxD, stacked, unroll=unroll)
 
     def loop_unroll(self, n_layers: int, wrapped: bool) -> int | None:
         """How :meth:`blocks` loops over ``n_layers`` layers: ``None`` for straight-line code
@@ -299,9 +361,30 @@ class Model:
         (:meth:`embed`, :meth:`blocks` as its stage function, :meth:`head_loss`) under the
         same ``hooks``.
         """
+        return self.loss_and_stats(params, tokens_BxS, targets_BxS, dtype, hooks)[0]
+
+    def loss_and_stats(
+        self,
+        params: Params,
+        tokens_BxS: jax.Array,
+        targets_BxS: jax.Array,
+        dtype=jnp.float32,
+        hooks: Hooks | None = None,
+    ) -> tuple[jax.Array, Any]:
+        """:meth:`loss` and the MoE layers' :class:`jaxpar.model.moe.MoeStats` ``[G, ...]``
+        (None for a dense model); the loss includes ``moe.aux_loss`` times the mean over the
+        MoE layers of their balancing loss."""
         hooks = hooks or Hooks()
         # Static positions: the rotary tables become constants (jaxpar.model.layers.rope).
         positions_S = np.arange(tokens_BxS.shape[1])
         x = self.embed({"embed": hooks.embed(params["embed"])}, tokens_BxS, dtype)
-        x = self.blocks(params["layers"], x, positions_S, hooks.layer)
-        return hooks.head(self.head_loss)(self.head_params(params), x, targets_BxS)
+        if "layers" in params:
+            x = self.blocks(params["layers"], x, positions_S, hooks.layer)
+        stats = None
+        if "moe_layers" in params:
+            wrap = hooks.moe_layer if hooks.moe_layer is not None else hooks.layer
+            x, stats = self.moe_groups(params["moe_layers"], x, positions_S, wrap)
+        loss = hooks.head(self.head_loss)(self.head_params(params), x, targets_BxS)
+        if stats is not None and self.cfg.moe.aux_loss:
+            loss = loss + self.cfg.moe.aux_loss * jnp.mean(stats.aux)
+        return loss, stats

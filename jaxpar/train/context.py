@@ -92,7 +92,10 @@ class GradContext:
         red, dims = self.reduction, self.reduction.dims
         remat = remat_of("none") if stage_recompute else self.remat
         if red.stage < 3:
-            return Hooks(layer=remat.wrap())
+            return Hooks(layer=remat.wrap(), moe_layer=remat.wrap())
+
+        def stack(name):  # ZeRO-3: one packed gather per layer (per MoE group) in the scan
+            return lambda lp: red.gather(lp, dims[name], red.auto_specs[name], shift=1)
 
         def head(fn):
             def gathered(hp, x, targets):
@@ -102,9 +105,8 @@ class GradContext:
             return jax.checkpoint(gathered, prevent_cse=False, policy=remat_of("none").policy(True))
 
         return Hooks(
-            layer=remat.wrap(
-                pre=lambda lp: red.gather(lp, dims["layers"], red.auto_specs["layers"], shift=1)
-            ),
+            layer=remat.wrap(pre=stack("layers")),
             embed=lambda ep: red.gather(ep, dims["embed"], red.auto_specs["embed"]),
             head=head,
+            moe_layer=remat.wrap(pre=stack("moe_layers")),
         )

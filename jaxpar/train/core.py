@@ -36,6 +36,8 @@ from jaxpar.metrics import MetricsLog, Progress
 from jaxpar.train.tensorboard import TensorBoard
 
 State = dict[str, Any]
+# The step's outputs read on the host each step (the MoE pair only for a MoE model).
+HOST_METRICS = frozenset({"loss", "grad_norm", "lr", "finite", "moe_load", "moe_dropped"})
 
 
 @dataclass
@@ -52,6 +54,8 @@ class StepMetrics:
     leaf_finite: Any  # per-leaf finite flags, still on the device (read only when needed)
     nonfinite_leaves: list[str] | None = None  # set by the divergence hook on a non-finite step
     diverged: str | None = None  # why the step counts against the divergence budget
+    moe_load: list[float] | None = None  # MoE: per layer, busiest expert's load / mean load
+    moe_dropped: list[int] | None = None  # MoE: per layer, assignments the capacity dropped
 
     def record(self) -> dict[str, Any]:
         """The JSONL metrics record of this step."""
@@ -68,6 +72,8 @@ class StepMetrics:
             rec["nonfinite_leaves"] = self.nonfinite_leaves or []
         if self.diverged:
             rec["diverged"] = self.diverged
+        if self.moe_load is not None:
+            rec["moe_load"], rec["moe_dropped"] = self.moe_load, self.moe_dropped
         return rec
 
 
@@ -175,13 +181,17 @@ class _InFlight:
     def read(self, ctx: LoopContext) -> StepMetrics:
         """Block until the metrics are on the host. The step time runs from the previous step's
         completion, or this dispatch if later: queued ahead, steps follow one another."""
-        host = jax.device_get({k: self.metrics[k] for k in ("loss", "grad_norm", "lr", "finite")})
+        host = jax.device_get({k: self.metrics[k] for k in HOST_METRICS if k in self.metrics})
         now = time.perf_counter()
         dt = now - max(self.dispatched, ctx.ready_at)
         ctx.ready_at = now
-        return StepMetrics(self.step, float(host["loss"]), float(host["grad_norm"]),
-                           float(host["lr"]), bool(host["finite"]), dt,
-                           ctx.tokens_per_step / dt, self.metrics["leaf_finite"])  # fmt: skip
+        m = StepMetrics(self.step, float(host["loss"]), float(host["grad_norm"]),
+                        float(host["lr"]), bool(host["finite"]), dt,
+                        ctx.tokens_per_step / dt, self.metrics["leaf_finite"])  # fmt: skip
+        if "moe_load" in host:
+            m.moe_load = [float(v) for v in host["moe_load"]]
+            m.moe_dropped = [int(v) for v in host["moe_dropped"]]
+        return m
 
 
 def _read(ctx: LoopContext, hooks: Sequence[Hook], flight: _InFlight) -> None:
@@ -204,7 +214,7 @@ def train_loop(ctx: LoopContext, hooks: Sequence[Hook]) -> None:
             h.before_step(ctx, step)
         t = time.perf_counter()
         ctx.state, metrics = ctx.trainer.step(ctx.state, batch)
-        for name in ("loss", "grad_norm", "lr", "finite"):
+        for name in HOST_METRICS & metrics.keys():
             metrics[name].copy_to_host_async()  # on the host by the time they are read
         flight = _InFlight(step, metrics, t)
         if pending is not None:

@@ -23,42 +23,50 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import sharding as shd
+from jaxpar.model.moe import MoeStats
 from jaxpar.train.context import GradContext, microbatch_split
 from jaxpar.train.pipeline_run import PipelineRun
+from jaxpar.train.reduce import DPReduction
 
 
 def _local_accumulate(ctx: GradContext, params: Any, tokens_BxS, targets_BxS):
-    """Sum over micro-batches of (loss, unreduced gradient) on this rank's rows.
+    """Sum over micro-batches of (loss, unreduced gradient, MoE statistics) on this rank's
+    rows; the loss and the balancing loss averaged, the load counts summed.
 
     Stage 2 reduce-scatters each micro-batch's gradient here, so the accumulator is a shard.
     """
     red, k, hooks = ctx.reduction, ctx.layout.microbatches, ctx.hooks()
 
     def loss_fn(p, tok, tgt):
-        return ctx.model.loss(p, tok, tgt, ctx.compute_dtype, hooks)
+        return ctx.model.loss_and_stats(p, tok, tgt, ctx.compute_dtype, hooks)
 
     def vg(p, tok, tgt):
-        loss, g = jax.value_and_grad(loss_fn)(p, tok, tgt)
-        return loss, ctx.constrain_grads(g)
+        (loss, stats), g = jax.value_and_grad(loss_fn, has_aux=True)(p, tok, tgt)
+        return loss, ctx.constrain_grads(g), stats
 
     if k == 1:
-        loss, g = vg(params, tokens_BxS, targets_BxS)
-        return loss, red.per_microbatch(g)
+        loss, g, stats = vg(params, tokens_BxS, targets_BxS)
+        return loss, red.per_microbatch(g), stats
 
     def body(carry, mb):
-        loss_sum, acc = carry
-        loss, g = vg(params, mb[0], mb[1])
-        return (loss_sum + loss, jax.tree.map(jnp.add, acc, red.per_microbatch(g))), None
+        loss_sum, acc, stats_sum = carry
+        loss, g, stats = vg(params, mb[0], mb[1])
+        acc = jax.tree.map(jnp.add, acc, red.per_microbatch(g))
+        return (loss_sum + loss, acc, jax.tree.map(jnp.add, stats_sum, stats)), None
 
     # The accumulator has the shape one micro-batch's (reduced) gradient has: full at stages
     # 0/1, a shard at stages 2/3.
     shapes = jax.eval_shape(
         lambda p: red.per_microbatch(vg(p, tokens_BxS[:1], targets_BxS[:1])[1]), params
     )
-    init = (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
+    stat_shapes = jax.eval_shape(lambda p: vg(p, tokens_BxS[:1], targets_BxS[:1])[2], params)
+    zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)  # noqa: E731
+    init = (jnp.zeros((), jnp.float32), zeros(shapes), zeros(stat_shapes))
     mbs = (microbatch_split(tokens_BxS, k), microbatch_split(targets_BxS, k))
-    (loss_sum, acc), _ = jax.lax.scan(body, init, mbs)
-    return loss_sum / k, jax.tree.map(lambda a: a / k, acc)
+    (loss_sum, acc, stats), _ = jax.lax.scan(body, init, mbs)
+    if stats is not None:
+        stats = stats._replace(aux=stats.aux / k)
+    return loss_sum / k, jax.tree.map(lambda a: a / k, acc), stats
 
 
 def mean_loss(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> jax.Array:
@@ -96,6 +104,24 @@ def loss_and_grads(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> tuple
     (ZeRO-3: sharded over the ZeRO axis); the gradients come back in the optimizer's dp
     sharding (sharded from stage 1 on), in the parameter dtype.
     """
+    return loss_grads_stats(ctx, params, batch_BxT)[:2]
+
+
+def _reduce_stats(red: DPReduction, stats: Any) -> Any:
+    """MoE statistics of the global batch inside the region: counts summed over the dp
+    ranks, the balancing loss averaged (every rank holds as many rows)."""
+    if stats is None or not red.axes:
+        return stats
+    return stats._replace(
+        load=jax.lax.psum(stats.load, red.axes),
+        dropped=jax.lax.psum(stats.dropped, red.axes),
+        aux=jax.lax.pmean(stats.aux, red.axes),
+    )
+
+
+def loss_grads_stats(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> tuple:
+    """:func:`loss_and_grads` and the MoE layers' statistics of the global batch
+    (:class:`jaxpar.model.moe.MoeStats`, ``[G, ...]``; None for a dense model)."""
     ndims = jax.tree.map(lambda a: a.ndim, ctx.abstract)
     lead = jax.tree.map(lambda _: (), ndims)
     run = None
@@ -110,18 +136,22 @@ def loss_and_grads(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> tuple
     def body(params, batch_BxT):
         with shd.use_rules(ctx.inner_rules()):
             tokens, targets = batch_BxT[:, :-1], batch_BxT[:, 1:]
+            stats = None
             if run is None:
-                loss, g = _local_accumulate(ctx, params, tokens, targets)
+                loss, g, stats = _local_accumulate(ctx, params, tokens, targets)
             else:
                 loss, g = run.local(params, tokens, targets)
-            return red.mean(loss), outer.finish(g)
+            return red.mean(loss), outer.finish(g), _reduce_stats(red, stats)
 
     if not ctx.manual_axes:  # one dp rank, no pipeline: nothing to make manual
         return body(params, batch_BxT)
+    stat_specs = None
+    if ctx.model.cfg.moe.enabled and run is None:  # replicated after _reduce_stats
+        stat_specs = MoeStats(P(), P(), P())
     fn = jax.shard_map(
         body,
         in_specs=(outer.param_specs(ndims, lead), P(red.axes, None)),
-        out_specs=(P(), outer.grad_specs(ndims, lead)),
+        out_specs=(P(), outer.grad_specs(ndims, lead), stat_specs),
         axis_names=set(ctx.manual_axes),
         # Unchecked: the pipeline's switch and ring permutes, and ring attention's nested
         # region, do not type-check under varying-manual-axes rules on jax 0.10 (a dp-manual
@@ -129,5 +159,5 @@ def loss_and_grads(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> tuple
         # what the equivalence tests assert.
         check_vma=False,
     )
-    loss, grads = fn(params, batch_BxT)
-    return loss, (grads if run is None else run.unarrange(grads))
+    loss, grads, stats = fn(params, batch_BxT)
+    return loss, (grads if run is None else run.unarrange(grads)), stats

@@ -13,7 +13,6 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -23,7 +22,7 @@ from jaxpar import validation as V
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.data import Batches, SequentialBatches
 from jaxpar.devices import make_mesh
-from jaxpar.errors import CheckpointError, ConfigError
+from jaxpar.errors import ConfigError
 from jaxpar.lock import RunLock
 from jaxpar.metrics import MetricsLog, Progress, device_memory
 from jaxpar.model.attention import implementation_for

@@ -20,7 +20,11 @@ ring factor (N−1)/N, k micro-batches):
   the gather's transpose is the reduce-scatter of that layer's gradient: 3kΨ.
 
 Hybrid sharding (``dp_shard``): the scatter/gather run over ``dps`` (within a group), then a
-``psum`` of the shard over ``dpr`` (across groups). A leaf too small or indivisible to shard
+``psum`` of the shard over ``dpr`` (across groups). Expert parallelism (``ep``,
+:mod:`jaxpar.model.moe`) splits dp the same way into ``edp × ep``: ZeRO over ``edp``, a
+``psum`` over ``ep`` for every leaf but the routed experts' — those are sharded over ``ep``
+(``ep_dims``), and each owner's gradient already sums every ep rank's tokens (the dispatch
+all-to-all's transpose brought them). A leaf too small or indivisible to shard
 (e.g. a norm scale) is all-reduced over every dp axis at every stage.
 
 Many leaves, one collective: the sharded leaves of one layer (stage 3), or of the whole gradient
@@ -71,13 +75,16 @@ REDUCTION_NAMES = {
 }
 
 
-def _spec_on(dim: int, ndim: int, axis: str, lead: tuple = ()) -> P:
-    """A shard_map spec naming ``axis`` on ``dim`` (none if ``dim < 0``) after ``lead``."""
+def _spec_on(dim: int, ndim: int, axis: str, lead: tuple = (), ep_dim: int = -1) -> P:
+    """A shard_map spec naming ``axis`` on ``dim`` (none if ``dim < 0``) after ``lead``, and
+    ``ep`` on ``ep_dim`` (routed experts)."""
     parts: list[Any] = [None] * ndim
     for i, a in enumerate(lead):
         parts[i] = a
     if dim >= 0:
         parts[dim] = axis
+    if ep_dim >= 0:
+        parts[ep_dim] = "ep"
     while parts and parts[-1] is None:
         parts.pop()
     return P(*parts)
@@ -99,6 +106,7 @@ class DPReduction:
     auto_specs: Any  # per leaf, its sharding over the automatic (tp/sp) axes
     compute_dtype: Any
     reduce_dtype: Any
+    ep_dims: Any = None  # per leaf, its dim sharded over ``ep`` (-1: none); None without ep
 
     @staticmethod
     def of(layout: LayoutConfig, zero_specs: Any) -> DPReduction:
@@ -107,6 +115,12 @@ class DPReduction:
         sizes = {"dp": layout.dp}
         if shd.hybrid(layout):
             sizes = {"dpr": layout.dp // layout.dp_shard, "dps": layout.dp_shard}
+        ep_dims = None
+        if shd.expert_parallel(layout):
+            sizes = {"edp": layout.dp // layout.ep, "ep": layout.ep}
+            ep_dims = jax.tree.map(
+                lambda s: _or(shd.zero_dim(s, "ep"), -1), zero_specs, is_leaf=_is_p
+            )
         # Only axes of size > 1 are manual: a size-1 dp axis needs no collective, and leaving
         # it automatic keeps one device (or tp/pp-only layouts) free of a manual region.
         axes = tuple(a for a in shd.dp_axes(layout) if sizes[a] > 1)
@@ -122,6 +136,7 @@ class DPReduction:
             auto_specs=auto_specs,
             compute_dtype=jnp.dtype(layout.compute_dtype),
             reduce_dtype=jnp.dtype(layout.reduce_dtype),
+            ep_dims=ep_dims,
         )
 
     @property
@@ -144,22 +159,29 @@ class DPReduction:
 
     # ---- shard_map specs (manual axes only; tp/sp shardings travel with the arrays) -------
 
+    def _ep(self) -> Any:
+        """Per leaf, its dim on ``ep`` (-1 everywhere without expert parallelism)."""
+        return self.ep_dims if self.ep_dims is not None else jax.tree.map(lambda _: -1, self.dims)
+
     def param_specs(self, ndims: Any, lead: Any) -> Any:
-        """In-specs of the params: the ZeRO axis at stage 3 (sharded at rest), else none."""
+        """In-specs of the params: the ZeRO axis at stage 3 (sharded at rest), else none;
+        routed experts on ``ep``."""
         return jax.tree.map(
-            lambda d, nd, ld: _spec_on(d if self.stage >= 3 else -1, nd, self.axis, ld),
+            lambda d, nd, ld, e: _spec_on(d if self.stage >= 3 else -1, nd, self.axis, ld, e),
             self.dims,
             ndims,
             lead,
+            self._ep(),
         )
 
     def grad_specs(self, ndims: Any, lead: Any) -> Any:
-        """Out-specs of the reduced grads: the ZeRO axis from stage 1 on."""
+        """Out-specs of the reduced grads: the ZeRO axis from stage 1 on; experts on ``ep``."""
         return jax.tree.map(
-            lambda d, nd, ld: _spec_on(d if self.stage >= 1 else -1, nd, self.axis, ld),
+            lambda d, nd, ld, e: _spec_on(d if self.stage >= 1 else -1, nd, self.axis, ld, e),
             self.dims,
             ndims,
             lead,
+            self._ep(),
         )
 
     # ---- inside the manual region ---------------------------------------------------------
@@ -196,12 +218,14 @@ class DPReduction:
         def local(t):
             if self.stage == 1:
                 t = self._scatter_tree(t, self.dims)  # one reduce-scatter of every shard
-            return jax.tree.map(one, t, self.dims)
+            return jax.tree.map(one, t, self.dims, self._ep())
 
-        def one(x, d):
+        def one(x, d, e):
             # Replicated leaves and stage 0: all-reduce over every dp axis; shards (already
             # scattered): hybrid only, across groups. XLA's combiner merges these all-reduces.
             axes = self.axes if d < 0 or self.stage == 0 else self.repl
+            if e >= 0:  # a routed expert's owner holds its whole gradient over ep already
+                axes = tuple(a for a in axes if a != "ep")
             return self._psum(x, axes) / self.n
 
         return on_local_blocks(local, self.auto_specs, g)

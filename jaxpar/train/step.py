@@ -19,8 +19,9 @@ from jaxpar import sharding as shd
 from jaxpar.config import RunConfig, TrainConfig
 from jaxpar.errors import ConfigError
 from jaxpar.model import Model
+from jaxpar.model.moe import balance
 from jaxpar.pipeline.rest import STAGE_AXIS, RestLayout
-from jaxpar.train.grads import GradContext, loss_and_grads, mean_loss, microbatch_split
+from jaxpar.train.grads import GradContext, loss_grads_stats, mean_loss, microbatch_split
 from jaxpar.train.guard import inject_nonfinite
 from jaxpar.train.reduce import DPReduction
 
@@ -42,7 +43,7 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
 def make_optimizer(t: TrainConfig, logical_axes: Any) -> optax.GradientTransformation:
     """AdamW with global-norm clipping; no weight decay on norm scales."""
     decay_mask = jax.tree.map(
-        lambda ax: bool(set(ax) - {"layers", STAGE_AXIS, "embed"}),
+        lambda ax: bool(set(ax) - {"layers", STAGE_AXIS, "embed", "expert_bias"}),
         logical_axes,
         is_leaf=lambda x: isinstance(x, tuple),
     )
@@ -177,8 +178,14 @@ class Trainer:
     def grads_fn(self, params, batch_BxT) -> tuple[jax.Array, Any]:
         """Mean loss and gradients over the batch (:func:`jaxpar.train.grads.loss_and_grads`:
         one mechanism for every layout); gradients in the optimizer's sharding."""
-        loss, grads = loss_and_grads(self.grad_ctx, params, batch_BxT)
-        return loss, jax.lax.with_sharding_constraint(grads, shd.named(self.mesh, self.grad_specs))
+        loss, grads, _ = self._grads_stats(params, batch_BxT)
+        return loss, grads
+
+    def _grads_stats(self, params, batch_BxT):
+        """:meth:`grads_fn` and the MoE statistics of the batch (None for a dense model)."""
+        loss, grads, stats = loss_grads_stats(self.grad_ctx, params, batch_BxT)
+        grads = jax.lax.with_sharding_constraint(grads, shd.named(self.mesh, self.grad_specs))
+        return loss, grads, stats
 
     def _step_fn(self, state: State, batch_BxT: jax.Array):
         if self.cfg.layout.offload != "none":
@@ -189,7 +196,7 @@ class Trainer:
                 "step": state["step"],
             }
         params, opt = state["params"], state["opt"]
-        loss, grads = self.grads_fn(params, batch_BxT)
+        loss, grads, stats = self._grads_stats(params, batch_BxT)
         if self.cfg.train.inject_nonfinite_step:  # test hook, see jaxpar.train.guard
             grads = inject_nonfinite(
                 grads, state["step"] + 1 == self.cfg.train.inject_nonfinite_step
@@ -216,6 +223,9 @@ class Trainer:
         leaf_ok = jax.tree.map(jnp.isfinite, sq)
         lr = lr_schedule(self.cfg.train)(state["step"])
         metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": ok, "leaf_finite": leaf_ok}
+        if stats is not None:  # MoE: the balancing bias moves by this step's expert load
+            new_state["params"], moe_metrics = balance(self.cfg.model.moe, new_params, stats, ok)
+            metrics.update(moe_metrics)
         return new_state, metrics
 
     def _eval_fn(self, params, batch_BxT) -> jax.Array:
