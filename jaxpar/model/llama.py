@@ -31,7 +31,8 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.layers import Attend, Block, RMSNorm
+from jaxpar.model.block import Block
+from jaxpar.model.layers import Attend, RMSNorm
 from jaxpar.model.names import weight
 from jaxpar.sharding import constrain
 

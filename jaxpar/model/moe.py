@@ -59,6 +59,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig, MoeConfig
+from jaxpar.model.layers import MLP
 from jaxpar.model.names import weight
 from jaxpar.sharding import active_rules, constrain, use_rules
 
@@ -204,8 +205,6 @@ class MoE(nnx.Module):
     """Router, routed experts and shared experts of one MoE block."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        from jaxpar.model.layers import MLP  # noqa: PLC0415  (layers builds blocks from this)
-
         e, d, f, std = cfg.moe, cfg.d_model, cfg.expert_ff, cfg.init_std
         down_std = std / (2 * cfg.n_layers) ** 0.5
 
