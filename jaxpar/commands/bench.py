@@ -134,6 +134,32 @@ def predicted(cfg) -> dict:
             "step_time_terms_s": dict(c.cost.terms)}  # fmt: skip
 
 
+def _time_steps(trainer, batches, steps: int, warmup: int, profile: str | None):
+    """Wall time of ``steps`` steps after ``warmup`` (each waited for), alternating two batches;
+    a profiler trace of the timed steps into ``profile``. Returns the times and last metrics."""
+    import time
+
+    import jax
+
+    t = trainer.cfg.train
+    state = trainer.init_state(t.seed)
+    data = [batches.global_array(i, trainer.batch_sharding) for i in range(2)]
+    for i in range(warmup):
+        state, metrics = trainer.step(state, data[i % 2])
+    jax.block_until_ready(state)
+    if profile:
+        jax.profiler.start_trace(profile)
+    times = []
+    for i in range(steps):
+        t1 = time.perf_counter()
+        state, metrics = trainer.step(state, data[i % 2])
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t1)
+    if profile:
+        jax.profiler.stop_trace()
+    return times, metrics
+
+
 def bench(cfg, devices=None, warmup: int = 2, profile: str | None = None) -> dict:
     """Time ``cfg``'s step on ``devices`` (default: all JAX devices). Returns the JSON summary:
     ``compile_s``, ``step_time_s`` (median), ``step_times_s``, ``tokens_per_s``,
@@ -143,8 +169,6 @@ def bench(cfg, devices=None, warmup: int = 2, profile: str | None = None) -> dic
     ``predicted`` (the planner's memory and step time for the same layout)."""
     import statistics
     import time
-
-    import jax
 
     from jaxpar import hostmem
     from jaxpar.analysis import theory as T
@@ -163,21 +187,7 @@ def bench(cfg, devices=None, warmup: int = 2, profile: str | None = None) -> dic
     compile_s = time.perf_counter() - t0
     batches = Batches(load_corpus(t.data, cfg.model.vocab_size, t.data_dtype), t.global_batch,
                       t.seq_len, t.seed)  # fmt: skip
-    state = trainer.init_state(t.seed)
-    data = [batches.global_array(i, trainer.batch_sharding) for i in range(2)]
-    for i in range(warmup):
-        state, metrics = trainer.step(state, data[i % 2])
-    jax.block_until_ready(state)
-    if profile:
-        jax.profiler.start_trace(profile)
-    times = []
-    for i in range(t.steps):
-        t1 = time.perf_counter()
-        state, metrics = trainer.step(state, data[i % 2])
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - t1)
-    if profile:
-        jax.profiler.stop_trace()
+    times, metrics = _time_steps(trainer, batches, t.steps, warmup, profile)
     step = statistics.median(times)
     n = len(devices)
     tokens = t.global_batch * t.seq_len

@@ -19,6 +19,14 @@ when the build fails, :func:`unavailable` says why, ``model.attention=auto`` kee
 blockwise kernel with one warning line (:func:`usable`) and a forced ``native`` is refused in
 one line.
 
+Why on first use and not as an extension built at install (scikit-build-core and nanobind, as
+JAX's FFI examples ship theirs): the kernel is tuned with ``-march=native`` for the CPU that runs
+it, which on a cluster is not the machine that ran ``pip install``; it compiles against the FFI
+headers of the jaxlib installed now, and jaxlib can be upgraded under an installed jaxpar (the
+cache key holds the jax version, so an upgrade rebuilds); and an install-time build would make
+every install need a C++ toolchain for a kernel that only CPU runs use and that is optional
+anyway (the blockwise kernel computes the same values).
+
 Envelope: CPU, float32, head dim 16, 32, 64 or 128. Under a mesh the kernel runs per device in a
 ``jax.shard_map`` over the mesh axes that shard its operands (batch over dp, heads over tp, as
 the layout's rules say), so GSPMD never gathers q, k or v for it.
