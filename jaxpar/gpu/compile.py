@@ -120,12 +120,12 @@ def compile_step(cfg: RunConfig, target: Target, flags: XlaFlags) -> Compiled:
 
 def planner_traffic(cfg: RunConfig) -> dict[str, float]:
     """The planner's wire bytes per device per step for each mesh axis of ``cfg``'s layout."""
-    from jaxpar.planner import memory as M
     from jaxpar.planner import traffic as TR
     from jaxpar.planner.search import evaluate
+    from jaxpar.planner.workload import Shape
 
     lay, model = cfg.layout, cfg.model
-    shape = M.Shape(cfg.train.global_batch, cfg.train.seq_len)
+    shape = Shape(cfg.train.global_batch, cfg.train.seq_len)
     out = {
         "dp": TR.dp_traffic(model, lay)["total_bytes"] if lay.dp > 1 else 0.0,
         "tp": TR.tp_traffic(model, lay, shape)["total"],
