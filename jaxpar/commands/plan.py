@@ -55,6 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="print the `jaxpar train` flags of ranked layout N (1 = the recommendation) and "
         "nothing else: jaxpar plan ... --emit-flags 1 | xargs jaxpar train --dry-run",
     )
+    p.add_argument(
+        "--verify",
+        type=K.positive_int,
+        default=None,
+        metavar="N",
+        help="compile the first N ranked layouts with XLA:GPU for the mesh's pod (no GPU "
+        "needed; the CUDA plugin: pip install -e '.[gpu-aot]') and pick the fastest that fits",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -85,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
     given = [n for n in LAYOUT_FLAGS if getattr(args, n) is not None]
     if args.sequence_parallel:
         given.append("sequence_parallel")
+    if args.verify is not None and (given or args.layout_from_mesh):
+        from jaxpar.errors import ConfigError
+
+        raise ConfigError("--verify: verifies the searched ranking; compile a given layout "
+                          "with jaxpar compile")  # fmt: skip
     if given or args.layout_from_mesh:
         if not args.layout_from_mesh:
             # a given layout starts from the defaults, not from the mesh file's layout
@@ -101,11 +114,25 @@ def run(args: argparse.Namespace) -> int:
         result = plan(
             cfg, top=args.top, given={k: "command line" for k, v in stated.items() if v is not None}
         )
+    rows = None
+    if args.verify is not None:
+        from jaxpar.gpu.verify import verified_pick, verify_ranked
+
+        rows = verify_ranked(cfg, args.verify)
+        pick = verified_pick(rows)
+        result["verified"] = [v.to_dict() for v in rows]
+        result["verified_pick"] = pick.rank if pick else None
     if args.json:
         print(result["headline"])
         emit_json({k: v for k, v in result.items() if k != "headline"})
     else:
         print(render(result))
+        if rows is not None:
+            from jaxpar.gpu.verify import render as render_verified
+
+            print(render_verified(rows))
+    if rows is not None:
+        return 0 if result["verified_pick"] is not None else 1
     return 0 if result.get("fits", False) else 1
 
 

@@ -74,6 +74,13 @@ def collectives(cfg: RunConfig, c: Compiled) -> tuple[dict[str, Any], dict[str, 
     return axes, overlap
 
 
+def overlap_share(c: Compiled) -> float:
+    """Share of the program's collective wire bytes with no compute between start and done."""
+    items = async_collectives(c.compiled, c.mesh)
+    total = sum(i.wire_bytes for i in items)
+    return sum(i.wire_bytes for i in items if i.exposed) / total if total else 0.0
+
+
 def report(cfg: RunConfig, c: Compiled) -> dict[str, Any]:
     """The whole report (module docstring)."""
     text = c.compiled.as_text()

@@ -1,0 +1,122 @@
+"""``jaxpar plan --verify N``: the planner's ranked layouts compiled by XLA:GPU for the mesh's pod.
+
+The planner ranks layouts by its own memory and time model (:mod:`jaxpar.planner`). For a GPU
+mesh the memory that decides "fits" is the GPU program's, so the first ``N`` ranked layouts are
+compiled for the mesh's target (:func:`jaxpar.gpu.compile.compile_step`, the exact train step
+the trainer would run) and each compiled per-device total is set beside the planner's figure
+and the device's usable memory. The verified pick is the fastest ranked layout whose compiled
+program fits; a planner pick that XLA:GPU says does not fit is never the verified one.
+Nothing runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from jaxpar import config as C
+from jaxpar import validation as V
+from jaxpar.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One ranked layout as XLA:GPU compiled it (``refused``: why it was not compiled)."""
+
+    rank: int
+    layout: dict[str, Any]
+    predicted_bytes: float
+    compiled_bytes: float | None = None
+    usable_bytes: float | None = None
+    fits: bool | None = None  # the compiled program within the usable memory
+    compile_s: float | None = None
+    exposed_share: float | None = None  # collective wire bytes with no compute beside them
+    refused: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """Compiled over predicted memory."""
+        return self.compiled_bytes / self.predicted_bytes if self.compiled_bytes else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of this row (``verified`` in ``jaxpar plan --json``)."""
+        return {**dataclasses.asdict(self), "ratio": self.ratio}
+
+
+def verify_ranked(cfg: C.RunConfig, n: int) -> list[Verified]:
+    """Compile the first ``n`` layouts the planner ranks for ``cfg`` on its GPU target.
+
+    Raises :class:`ConfigError` (one line) for a mesh that is not a GPU pod or a missing CUDA
+    plugin, before anything compiles."""
+    from jaxpar.gpu.targets import require_plugin, target_for
+    from jaxpar.planner import explain as X
+    from jaxpar.planner.recommend import rank_layouts
+
+    if cfg.mesh.hardware.platform != "gpu":
+        raise ConfigError(f"--verify: mesh {cfg.mesh.name!r} is not a GPU pod (hardware.gpu)")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process runs on the CPU
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
+    plug = require_plugin()
+    target = target_for(cfg.mesh, plug)
+    r = rank_layouts(cfg)
+    from jaxpar.gpu.compile import apply_flags, compile_step
+    from jaxpar.gpu.report import memory, overlap_share
+
+    flags = apply_flags(list(cfg.mesh.hardware.xla_flags), plug.module)
+    out = []
+    for rank, cand in enumerate(r.ranked[:n], 1):
+        trial = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, layout=cand.layout))
+        summary = X.summary(cand, cfg.model, cfg.mesh.hardware, r.shape)
+        row = Verified(rank, summary["layout"], float(summary["memory_per_device_bytes"]))
+        try:
+            V.validate(trial, n_devices=cfg.mesh.devices)
+        except ConfigError as e:  # a rule beyond the search's check_layout
+            out.append(dataclasses.replace(row, refused=str(e)))
+            continue
+        compiled = compile_step(trial, target, flags)
+        mem = memory(trial, compiled)
+        out.append(
+            dataclasses.replace(
+                row,
+                compiled_bytes=float(mem["total"]),
+                usable_bytes=float(mem["usable_bytes"]),
+                fits=bool(mem["fits"]),
+                compile_s=compiled.seconds,
+                exposed_share=overlap_share(compiled),
+            )
+        )
+    return out
+
+
+def verified_pick(rows: list[Verified]) -> Verified | None:
+    """The fastest ranked layout whose compiled program fits, or None."""
+    return next((v for v in rows if v.fits), None)
+
+
+def render(rows: list[Verified]) -> str:
+    """The verification table of ``jaxpar plan --verify``."""
+    from jaxpar.planner import explain as X
+    from jaxpar.report import human_bytes
+
+    lines = ["", "Compiled by XLA:GPU for the mesh's pod (per device):"]
+    for v in rows:
+        head = f"  {v.rank}. {X.layout_text(v.layout)}: "
+        if v.refused:
+            lines.append(head + f"not compiled: {v.refused}")
+            continue
+        verdict = "fits" if v.fits else "does NOT fit"
+        lines.append(
+            head + f"compiled {human_bytes(v.compiled_bytes)} (planner "
+            f"{human_bytes(v.predicted_bytes)}, ratio {v.ratio:.2f}), {verdict} "
+            f"{human_bytes(v.usable_bytes)}; exposed collectives {v.exposed_share:.0%}; "
+            f"compiled in {v.compile_s:.1f} s"
+        )
+    pick = verified_pick(rows)
+    lines.append(
+        f"verified pick: rank {pick.rank}, {X.layout_text(pick.layout)}"
+        if pick
+        else f"verified pick: none of the {len(rows)} compiled layouts fits"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""``jaxpar plan --verify N``: the planner's ranked layouts compiled by XLA:GPU for the pod.
+
+The compile runs in a subprocess (XLA reads ``XLA_FLAGS`` once per process). It needs the jax
+CUDA plugin, which the ``test`` extra installs: without it the test fails saying so.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxpar.errors import ConfigError
+from jaxpar.gpu import targets as T
+from jaxpar.gpu.verify import Verified, render, verified_pick
+
+LAYOUT = {"dp": 8, "tp": 1, "pp": 1, "sp": 1, "zero": 3, "microbatches": 1, "schedule": "1f1b",
+          "virtual": 1, "microbatch_size": 1, "remat": "none", "offload": "none"}  # fmt: skip
+
+
+def _plan(*flags: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "jaxpar.cli", "plan", "--model", "tiny", "--mesh", "h100-8",
+           "--global-batch", "8", "--seq", "64", *flags]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_verify_compiles_the_recommendation_for_the_pod():
+    if T.plugin() is None:
+        pytest.fail("the jax CUDA plugin is missing: pip install -e '.[test]' installs it")
+    proc = _plan("--top", "1", "--verify", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    (row,) = out["verified"]
+    assert row["rank"] == 1 and row["refused"] is None
+    assert row["layout"] == out["layout"]  # the recommendation itself was compiled
+    assert row["predicted_bytes"] == out["memory_per_device_bytes"]
+    # XLA:GPU's per-device total of a real program: above the batch, far under the device
+    assert 1e6 < row["compiled_bytes"] < row["usable_bytes"]
+    assert row["ratio"] == pytest.approx(row["compiled_bytes"] / row["predicted_bytes"])
+    assert row["fits"] is True and out["verified_pick"] == 1
+    assert 0.0 <= row["exposed_share"] <= 1.0 and row["compile_s"] > 0
+
+
+def test_verified_pick_skips_what_the_gpu_program_does_not_fit():
+    gib = 2.0**30
+    rows = [
+        Verified(1, LAYOUT, 70 * gib, 76.6 * gib, 73.6 * gib, False, 100.0, 1.0),
+        Verified(2, LAYOUT, 50 * gib, refused="layout.tp=3: must divide ..."),
+        Verified(3, LAYOUT, 50 * gib, 51 * gib, 73.6 * gib, True, 90.0, 0.3),
+    ]
+    assert verified_pick(rows).rank == 3
+    text = render(rows)
+    assert "does NOT fit" in text and "not compiled: layout.tp=3" in text
+    assert "verified pick: rank 3" in text
+    assert verified_pick(rows[:2]) is None
+    assert "none of the 2 compiled layouts fits" in render(rows[:2])
+
+
+def test_verify_refuses_a_cpu_mesh_and_a_given_layout():
+    from jaxpar import config as C
+    from jaxpar.gpu.verify import verify_ranked
+
+    with pytest.raises(ConfigError, match="--verify: mesh 'cpu-8' is not a GPU pod"):
+        verify_ranked(C.load("tiny", "cpu-8"), 1)
+    proc = _plan("--dp", "8", "--verify", "1")
+    assert proc.returncode == 2 and "--verify: verifies the searched ranking" in proc.stderr
+    assert "Traceback" not in proc.stderr
