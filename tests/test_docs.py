@@ -35,9 +35,6 @@ NOT_RUN = re.compile(r"^<!--\s*not-run\s*(?::(?P<reason>.*?))?\s*-->$")
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[^`\s]*)\s*$")
 TIMEOUT_S = 300
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# Pages the README links that other branches add; a missing one is allowed until they land.
-PENDING_PAGES = {"docs/training-loop.md", "docs/reliability.md", "docs/pipelines.md",
-                 "docs/planner.md", "docs/gpu.md", "docs/moe.md"}  # fmt: skip
 
 
 class PageError(ValueError):
@@ -272,9 +269,7 @@ def test_relative_links_reach_files_and_headings():
             file, _, anchor = target.partition("#")
             dest = (page.parent / file).resolve() if file else page
             rel = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest)
-            if not dest.exists():
-                assert rel in PENDING_PAGES, f"{page.relative_to(ROOT)}: broken link {target}"
-                continue
+            assert dest.exists(), f"{page.relative_to(ROOT)}: broken link {target} ({rel})"
             if anchor:
                 heads = re.findall(r"^#+ (.*)$", re.sub(r"^ *```.*?^ *```", "", dest.read_text(),
                                                         flags=re.S | re.M), re.M)  # fmt: skip
