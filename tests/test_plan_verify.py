@@ -68,3 +68,24 @@ def test_verify_refuses_a_cpu_mesh_and_a_given_layout():
     proc = _plan("--dp", "8", "--verify", "1")
     assert proc.returncode == 2 and "--verify: verifies the searched ranking" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_compile_layout_auto_compiles_the_planners_pick():
+    if T.plugin() is None:
+        pytest.fail("the jax CUDA plugin is missing: pip install -e '.[test]' installs it")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "jaxpar.cli", "compile", "--model", "tiny", "--mesh", "h100-8",
+           "--global-batch", "8", "--seq-len", "64", "--layout", "auto", "--json"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert any(x.startswith("layout auto: ") and "(rank 1)" in x for x in lines[:-1]), lines
+    auto = out["auto_layout"]
+    assert auto["rank"] == 1
+    for k in ("dp", "tp", "pp", "sp", "zero", "microbatches"):
+        assert out["layout"][k] == auto["layout"][k], k  # the compiled step is the pick's
+    proc = subprocess.run([*cmd[:-2], "--dp", "8", "--layout", "auto"], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 2 and "--layout=auto: conflicts with --dp" in proc.stderr

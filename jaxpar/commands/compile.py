@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=text)
     p.add_argument("--sequence-parallel", action="store_true", default=None,
                    help="Megatron sequence parallelism over tp")  # fmt: skip
+    p.add_argument("--layout", choices=["auto"], default=None,
+                   help="auto: compile the planner's best layout that fits the pod (printed, "
+                   "recorded in the JSON as auto_layout)")  # fmt: skip
     p.add_argument("-o", "--override", action="append", default=[], metavar="FIELD=VALUE",
                    help="set any config field, e.g. -o model.attention=blockwise")  # fmt: skip
     p.add_argument("--save", default=None, metavar="FILE", help="write the executable (new file)")
@@ -50,9 +53,14 @@ def build_config(args: argparse.Namespace):
     values = {name: getattr(args, name, None) for name in train.FLAGS}
     ns = argparse.Namespace(**values, model=args.model, mesh=args.mesh,
                             sequence_parallel=args.sequence_parallel, override=args.override,
-                            resume=False, resume_or_start=False, no_progress=True)  # fmt: skip
+                            resume=False, resume_or_start=False, no_progress=True,
+                            force=False)  # fmt: skip
     cfg = train.build_config(ns)
-    V.validate(cfg, n_devices=cfg.mesh.devices)
+    ns.layout = getattr(args, "layout", None)
+    # --layout auto: the planner's pick set on cfg (None without the flag); kept on args for run
+    args.auto_layout = train.auto_layout(cfg, ns)
+    if args.auto_layout is None or args.auto_layout.get("fits") is not False:
+        V.validate(cfg, n_devices=cfg.mesh.devices)
     return cfg
 
 
@@ -92,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     if args.load:
         return _load(args.load, args.json)
     cfg = build_config(args)
+    if args.auto_layout is not None and args.auto_layout.get("fits") is False:
+        return 1  # nothing fits the pod: the plan's verdict is printed
     if args.save and os.path.exists(args.save):
         raise ConfigError(f"--save {args.save!r}: file exists; refusing to overwrite it")
     plug = require_plugin()
@@ -103,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     flags = apply_flags(list(cfg.mesh.hardware.xla_flags), plug.module)
     compiled = compile_step(cfg, target, flags)
     out = report(cfg, compiled)
+    if args.auto_layout is not None:
+        out["auto_layout"] = args.auto_layout
     if args.hlo:
         with open(args.hlo, "x") as f:
             f.write(compiled.compiled.as_text())

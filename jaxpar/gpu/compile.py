@@ -119,20 +119,16 @@ def compile_step(cfg: RunConfig, target: Target, flags: XlaFlags) -> Compiled:
 
 
 def planner_traffic(cfg: RunConfig) -> dict[str, float]:
-    """The planner's wire bytes per device per step for each mesh axis of ``cfg``'s layout."""
-    from jaxpar.planner import traffic as TR
+    """The planner's wire bytes per device per step for each mesh axis of ``cfg``'s layout:
+    its communication terms (:mod:`jaxpar.planner.comm`), by the axis each runs over."""
     from jaxpar.planner.search import evaluate
     from jaxpar.planner.workload import Shape
 
-    lay, model = cfg.layout, cfg.model
     shape = Shape(cfg.train.global_batch, cfg.train.seq_len)
-    out = {
-        "dp": TR.dp_traffic(model, lay)["total_bytes"] if lay.dp > 1 else 0.0,
-        "tp": TR.tp_traffic(model, lay, shape)["total"],
-        "sp": TR.sp_traffic(model, lay, shape)["total"],
-        "pp": 0.0,
-    }
-    if lay.pp > 1:
-        pipe = evaluate(model, cfg.mesh.hardware, lay, shape).cost.pipe
-        out["pp"] = float(pipe.sends) * TR.pp_message_bytes(model, lay, shape) if pipe else 0.0
+    cost = evaluate(cfg.model, cfg.mesh.hardware, cfg.layout, shape).cost
+    axis = {"dp_comm": "dp", "tp_comm": "tp", "sp_comm": "sp", "pp_p2p": "pp"}
+    out = dict.fromkeys(("dp", "tp", "sp", "pp"), 0.0)
+    for term in cost.comm:
+        if term.name in axis:
+            out[axis[term.name]] += term.bytes
     return out
