@@ -86,6 +86,6 @@ def test_compile_layout_auto_compiles_the_planners_pick():
     assert auto["rank"] == 1
     for k in ("dp", "tp", "pp", "sp", "zero", "microbatches"):
         assert out["layout"][k] == auto["layout"][k], k  # the compiled step is the pick's
-    proc = subprocess.run([*cmd[:-2], "--dp", "8", "--layout", "auto"], env=env,
+    proc = subprocess.run([*cmd[:-1], "--dp", "8"], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 2 and "--layout=auto: conflicts with --dp" in proc.stderr
