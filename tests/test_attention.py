@@ -240,6 +240,24 @@ def test_chunked_loss_keeps_big_vocabulary_logits_out_of_memory():
     assert temp_chunked < logits_bytes / 2, (temp_chunked, logits_bytes)
 
 
+def test_zero3_head_keeps_the_chunked_loss_out_of_memory():
+    """Under ZeRO-3 the head runs inside a checkpoint of its own (the gathered head weights
+    must not be kept): that checkpoint saves nothing, so the loss's chunks still recompute
+    their logits and ZeRO-3's temporaries stay within half the device's [B, S, V] fp32
+    logits of ZeRO-0's (a policy saving activations there kept every chunk's softmax and
+    one-hot: twice the logits more)."""
+    temps = {}
+    for zero in (0, 3):
+        cfg = small_config(dp=2, zero=zero)
+        cfg.model.vocab_size, cfg.model.loss_chunk, cfg.model.max_seq_len = 4096, 32, 256
+        cfg.train.global_batch, cfg.train.seq_len = 4, 256
+        mesh = make_mesh(cfg.layout, jax.devices()[:2])
+        temps[zero] = compiled_memory(Trainer(cfg, mesh).compile_step())["temp"]
+    logits_bytes = 4 // 2 * 256 * 4096 * 4  # one device's rows
+    # ZeRO-3 adds its gathered weights, not a copy of the logits per chunk
+    assert temps[3] - temps[0] < logits_bytes / 2, (temps, logits_bytes)
+
+
 def test_layer_unroll_leaves_no_loop_unless_the_body_is_wrapped():
     """layer_unroll 0: straight-line layers (no while loop of 3 trips, one per layer, in the
     compiled program; the attention's own loops have other trip counts); with a remat wrap
