@@ -98,9 +98,37 @@ def cpu_unless_gpu(env=None) -> None:
         env["JAX_PLATFORMS"] = "cpu"
 
 
+def quiet_cuda_plugin_start(env=None) -> None:
+    """On a run whose ``JAX_PLATFORMS`` leave CUDA out, with a jax CUDA plugin installed (the
+    ``test`` and ``gpu-aot`` extras install one for deviceless GPU compiles), start JAX and
+    register its plugins now, with the CUDA stubs' "no driver" notices that native code writes
+    to stderr dropped (four lines on every run otherwise; every other line is kept). Only the
+    plugins are registered here, no backend is created, so simulated CPU devices can still be
+    set later."""
+    import importlib.util
+    import os
+
+    env = os.environ if env is None else env
+    platforms = env.get("JAX_PLATFORMS", "")
+    if not platforms or any(p in platforms for p in ("cuda", "gpu")):
+        return
+    if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return
+    from jaxpar.gpu.targets import quiet_native_stderr
+
+    with quiet_native_stderr():
+        from jax._src import xla_bridge  # importing JAX loads the plugin's libraries
+
+        # private, hence looked up: jax registers the plugins itself at first use otherwise
+        register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+        if register is not None:
+            register()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` console script; returns the exit code."""
     cpu_unless_gpu()
+    quiet_cuda_plugin_start()
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a refused flag (2, already printed in one line)

@@ -270,6 +270,12 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
         )
     check_layout(m, lay, t.global_batch, t.seq_len, n_devices)
+    if t.init_from_hf and t.resume:
+        raise ConfigError(
+            f"train.init_from_hf={t.init_from_hf!r}: conflicts with train.resume=True (the "
+            "checkpoint already holds the weights); drop one of them (--resume-or-start "
+            "starts from the weights only when there is no checkpoint)"
+        )
     for name in ("init_from_hf", "export_hf"):
         if m.moe.enabled and getattr(t, name):
             raise ConfigError(f"train.{name}={getattr(t, name)!r}: model.moe: not supported yet")

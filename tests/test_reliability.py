@@ -468,8 +468,12 @@ def test_sigkill_of_one_worker_is_one_line_each_and_releases_the_lock(tmp_path):
                               env=env, start_new_session=True)  # fmt: skip
     try:
         metrics, t0 = d / "metrics.jsonl", time.monotonic()
-        while sum('"loss"' in x for x in (metrics.read_text().splitlines()
-                                          if metrics.exists() else [])) < 4:  # fmt: skip
+
+        def ready() -> bool:  # 4 steps done and one complete checkpoint to keep
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            return any(d.glob(f"*/{MANIFEST}")) and sum('"loss"' in x for x in lines) >= 4
+
+        while not ready():
             assert launch.poll() is None and time.monotonic() - t0 < 240, launch.communicate()
             time.sleep(0.05)
         victim = _child(launch.pid, 1)

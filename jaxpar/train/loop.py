@@ -104,12 +104,6 @@ def run(
     batches = Batches(load_data(cfg), t.global_batch, t.seq_len, t.seed)
     heldout = _heldout(batches) if t.eval_every else None
     profiler = StepProfiler.from_config(t)
-    if t.init_from_hf and t.resume:
-        raise ConfigError(
-            f"train.init_from_hf={t.init_from_hf!r}: conflicts with train.resume=True (the "
-            "checkpoint already holds the weights); drop one of them (--resume-or-start "
-            "starts from the weights only when there is no checkpoint)"
-        )
     locks = _lock_outputs(cfg)
     try:
         ckpt, resume_step = open_checkpoints(cfg)
