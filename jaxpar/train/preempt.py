@@ -41,25 +41,19 @@ class StopRequest:
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _received(self, signum: int, what_next: str) -> None:
+        """Record the first signal, restore the previous handlers, say what happens next."""
         self.signal_name = signal.Signals(signum).name
         self._restore()
-        print(
-            f"jaxpar: {self.signal_name} received; finishing the current step, then "
-            "checkpointing and exiting (send it again to abort now)",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"jaxpar: {self.signal_name} received; {what_next}", file=sys.stderr, flush=True)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self._received(signum, "finishing the current step, then checkpointing and exiting "
+                       "(send it again to abort now)")  # fmt: skip
 
     def _forward(self, signum: int, frame: Any) -> None:
-        self.signal_name = signal.Signals(signum).name
-        self._restore()
-        print(
-            f"jaxpar: {self.signal_name} received; all processes will stop at an agreed step, "
-            "checkpoint it and exit",
-            file=sys.stderr,
-            flush=True,
-        )
+        self._received(signum, "all processes will stop at an agreed step, checkpoint it and "
+                       "exit")  # fmt: skip
         os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption service
 
     def _restore(self) -> None:
