@@ -30,6 +30,7 @@ def theory(
     computed (it needs the model's shape).
     """
     from jaxpar.planner.footprint import memory
+    from jaxpar.planner.moe import report as moe_report
     from jaxpar.planner.shapes import param_counts, zero_shards
     from jaxpar.planner.workload import Shape
 
@@ -55,12 +56,15 @@ def theory(
         "stored": None,
         "memory_per_device_bytes": None,
         "memory_breakdown_bytes": None,
+        "moe": None,
     }
     if model is None:
         return out
     batch = microbatch_size * layout.microbatches * layout.dp
     mem = memory(model, layout, Shape(batch, seq))
     out["activations_bytes"] = mem["activations"]
+    wc = T.DTYPE_BYTES[layout.compute_dtype]
+    out["moe"] = moe_report(model, layout, microbatch_size, seq, wc) or None
     out["memory_per_device_bytes"] = mem["total"]
     out["memory_breakdown_bytes"] = {k: v for k, v in mem.items() if k != "total"}
     states = mem["params"] + mem["grads"] + mem["optimizer"]

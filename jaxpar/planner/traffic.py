@@ -43,7 +43,7 @@ def dp_traffic(model: ModelConfig, lay: LayoutConfig) -> dict[str, Any]:
     k, r = lay.microbatches, ring(n)
     wr, wp, wc = (DTYPE_BYTES[d] for d in (lay.reduce_dtype, lay.param_dtype, lay.compute_dtype))
     saved = 0.0
-    embed = float(pc.local - pc.local_of("layers"))  # embedding, head and final norm
+    embed = float(pc.local - pc.blocks)  # embedding, head and final norm
     layers = psi - embed
     if lay.zero == 0:
         grads, params = 2 * psi * r * wr, 0.0
@@ -63,7 +63,11 @@ def dp_traffic(model: ModelConfig, lay: LayoutConfig) -> dict[str, Any]:
         grads, params = k * psi * r * wr, 2 * k * psi * r * wc
         saved = k * embed * r * wc
     groups = lay.dp // n
-    across = 2 * (psi / n) * ring(groups) * wr if groups > 1 else 0.0
+    if lay.ep > 1:  # experts are whole on their owner: only the rest is reduced over ep
+        psi_across = psi - pc.experts_local
+    else:
+        psi_across = psi
+    across = 2 * (psi_across / n) * ring(groups) * wr if groups > 1 else 0.0
     return {
         "psi": psi,
         "n": n,
