@@ -26,7 +26,6 @@ What the trainer builds (:mod:`jaxpar.model.moe`, docs/moe.md) and what this mod
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from jaxpar.config import LayoutConfig, ModelConfig
@@ -55,11 +54,11 @@ class MoeFigures:
 
 
 def capacity(model: ModelConfig, seq: int) -> int:
-    """Slots per expert per sequence (:func:`jaxpar.model.moe.capacity`'s rule)."""
-    e = model.moe
-    if e.capacity_factor == 0:
-        return seq
-    return min(seq, math.ceil(e.capacity_factor * e.top_k * seq / e.experts))
+    """Slots per expert per sequence: the model's own rule (:func:`jaxpar.model.moe.capacity`;
+    imported here, not at the top, so that planning a dense model never loads flax)."""
+    from jaxpar.model.moe import capacity as model_capacity
+
+    return model_capacity(model, seq)
 
 
 def figures(model: ModelConfig, lay: LayoutConfig, rows: int, seq: int, wc: int) -> MoeFigures:
