@@ -21,6 +21,7 @@ from jaxpar.planner import search as S
 from jaxpar.planner.auto import train_flags
 from jaxpar.planner.cost import step_cost
 from jaxpar.planner.shapes import param_counts
+from jaxpar.planner.traffic import dp_traffic
 
 # (capacity factor, layout): dropless and capped, ZeRO 0-2, remat none/full, micro-batches.
 COMPILED = {
@@ -47,7 +48,8 @@ def test_active_parameters_and_flops_per_token():
 def test_memory_and_all_to_all_against_the_compiled_step(name):
     """Per-tensor counts equal the trainer's shard shapes (experts over ep, ZeRO over edp);
     the predicted total is within the tolerance of the compiled one; the predicted all-to-all
-    bytes (buffer and wire) are what the HLO moves over ep."""
+    bytes (buffer and wire) are what the HLO moves over ep, the data-parallel reduction's wire
+    bytes within 1% of the HLO's (the loss and metric reductions are not counted)."""
     cf, layout = COMPILED[name]
     cfg = moe_config(capacity_factor=cf, **layout)
     lay, shape = cfg.layout, M.Shape(cfg.train.global_batch, cfg.train.seq_len)
@@ -69,6 +71,11 @@ def test_memory_and_all_to_all_against_the_compiled_step(name):
     fig = MOE.figures(cfg.model, lay, rows, shape.seq, 4)
     assert fig.capacity == (shape.seq if cf == 0 else math.ceil(cf * 2 * shape.seq / 8))
     assert a2a.bytes == fig.a2a_bytes * cfg.model.moe_layers() * lay.microbatches > 0
+    # the data-parallel reduction (ZeRO over edp, the non-expert rest over ep too)
+    rep = collective_bytes(compiled, tr.mesh)
+    dp_wire = sum(st.wire_bytes for (kind, ax), st in rep.stats.items()
+                  if kind != "all-to-all" and ax and set(ax) <= {"edp", "ep"})  # fmt: skip
+    assert dp_traffic(cfg.model, lay)["total_bytes"] == pytest.approx(dp_wire, rel=0.01)
     hw = C.load_mesh("h100-8").hardware
     ep_term = [c for c in step_cost(cfg.model, hw, lay, shape).comm if c.name == "ep_comm"]
     assert [c.bytes for c in ep_term] == [a2a.wire_bytes]
