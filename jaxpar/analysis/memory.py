@@ -30,6 +30,7 @@ def theory(
     computed (it needs the model's shape).
     """
     from jaxpar.planner.footprint import memory
+    from jaxpar.planner.moe import report as moe_report
     from jaxpar.planner.shapes import param_counts, zero_shards
     from jaxpar.planner.workload import Shape
 
@@ -55,12 +56,15 @@ def theory(
         "stored": None,
         "memory_per_device_bytes": None,
         "memory_breakdown_bytes": None,
+        "moe": None,
     }
     if model is None:
         return out
     batch = microbatch_size * layout.microbatches * layout.dp
     mem = memory(model, layout, Shape(batch, seq))
     out["activations_bytes"] = mem["activations"]
+    wc = T.DTYPE_BYTES[layout.compute_dtype]
+    out["moe"] = moe_report(model, layout, microbatch_size, seq, wc) or None
     out["memory_per_device_bytes"] = mem["total"]
     out["memory_breakdown_bytes"] = {k: v for k, v in mem.items() if k != "total"}
     states = mem["params"] + mem["grads"] + mem["optimizer"]
@@ -84,20 +88,24 @@ def dp_comm_theory(cfg: RunConfig) -> dict[str, float]:
 
 
 def dp_axes_of(mesh: Any) -> set[str]:
-    """The data-parallel mesh axes (``dp``, or ``dpr``/``dps`` under hybrid sharding)."""
-    return {a for a in mesh.axis_names if a.startswith("dp")}
+    """The data-parallel mesh axes (``dp``, ``dpr``/``dps`` under hybrid sharding,
+    ``edp``/``ep`` under expert parallelism)."""
+    return {a for a in mesh.axis_names if a.startswith("dp") or a in ("edp", "ep")}
 
 
 def comm_report(compiled: Any, mesh: Any) -> dict[str, Any]:
     """Collective bytes per (kind, axes) of a compiled step, plus the data-parallel subtotal
-    (collectives whose groups vary only along dp axes; wire bytes per device per step)."""
+    (reductions whose groups vary only along dp axes; wire bytes per device per step)."""
     from jaxpar.analysis.hlo import collective_bytes
 
     rep = collective_bytes(compiled, mesh)
     out = rep.to_dict()
     dp = dp_axes_of(mesh)
-    wire = sum(s.wire_bytes for (_, ax), s in rep.stats.items() if ax and set(ax) <= dp)
-    held = sum(s.bytes for (_, ax), s in rep.stats.items() if ax and set(ax) <= dp)
+    # the MoE dispatch's all-to-all over ep is not the data-parallel reduction
+    red = [s for (kind, ax), s in rep.stats.items()
+           if ax and set(ax) <= dp and kind != "all-to-all"]  # fmt: skip
+    wire = sum(s.wire_bytes for s in red)
+    held = sum(s.bytes for s in red)
     out["dp_wire_bytes"] = wire
     out["dp_bytes"] = held
     return out

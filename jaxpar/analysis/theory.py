@@ -164,10 +164,11 @@ def pp_p2p_elements(b: int, s: int, h: int, t: int = 1, sequence_parallel: bool 
 
 
 def matmul_params(model: ModelConfig) -> int:
-    """Parameters that take part in matmuls: all but the input embedding (a gather); with tied
-    embeddings the shared matrix counts once, as the head."""
+    """Parameters that take part in one token's matmuls: all but the input embedding (a
+    gather); with tied embeddings the shared matrix counts once, as the head. A MoE model
+    counts its active parameters (``top_k`` routed experts, the shared ones, the router)."""
     untied_embed = 0 if model.tied_embeddings else model.vocab_size * model.d_model
-    return model.param_count() - untied_embed
+    return model.active_param_count() - untied_embed
 
 
 def forward_flops_per_token(model: ModelConfig, seq: int) -> float:

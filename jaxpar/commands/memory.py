@@ -8,7 +8,10 @@ tp/pp), ``zero_shards``; from the planner's memory model — the function ``jaxp
 so both give the same bytes for the same layout — ``memory_per_device_bytes`` and
 ``memory_breakdown_bytes`` (``jaxpar plan``'s keys), ``activations_bytes`` and ``stored``
 (params, grads, optimizer, activations and ``at_rest_bytes`` = params + optimizer, as jaxpar
-holds them); all null with ``--params``. With ``--measure`` ``measured``: XLA's
+holds them); ``moe`` (a MoE model: ``params_total``, ``params_active``, ``ep``, ``capacity``,
+``dispatch_slots``, ``dispatch_buffer_bytes``, ``all_to_all_bytes_per_layer`` per micro-batch,
+``padding_compute_share``, ``assumed_load_factor``; null for a dense model); all null with
+``--params``. With ``--measure`` ``measured``: XLA's
 per-device ``argument``/``output``/``alias``/``temp``/``host_*``/``total`` bytes,
 ``state_bytes`` (arguments − the batch shard: model states at rest), ``comm`` (collectives per
 kind and mesh axes, bytes per device per step, ``dp_wire_bytes``) and ``comm_theory``.
@@ -33,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--params", type=K.positive_float, default=None, help="parameter count Ψ instead"
     )
-    for axis in ("dp", "tp", "pp", "sp"):
+    for axis in ("dp", "tp", "pp", "sp", "ep"):
         parser.add_argument(f"--{axis}", type=K.positive_int, default=1, help=f"{axis} size")
     parser.add_argument("--zero", type=K.int_in(0, 3), default=0, help="ZeRO stage 0-3")
     parser.add_argument("--dp-shard", type=K.nonneg_int, default=0, help="hybrid sharding group")
@@ -59,7 +62,7 @@ def _config(args: argparse.Namespace):
 
     cfg = C.load(args.model or "tiny", "cpu-8")
     lay = cfg.layout
-    lay.dp, lay.tp, lay.pp, lay.sp = args.dp, args.tp, args.pp, args.sp
+    lay.dp, lay.tp, lay.pp, lay.sp, lay.ep = args.dp, args.tp, args.pp, args.sp, args.ep
     lay.zero, lay.dp_shard, lay.remat = args.zero, args.dp_shard, args.remat
     lay.microbatches, lay.compute_dtype = args.microbatches, args.compute_dtype
     lay.schedule, lay.virtual, lay.sp_mode = args.schedule, args.virtual, args.sp_mode
@@ -104,6 +107,14 @@ def run(args: argparse.Namespace) -> int:
         f"Ψ = {out['params_count']:.4g} parameters, {out['params_per_device']:.4g} per device "
         f"after tp/pp, ZeRO-{args.zero} over N = {out['zero_shards']}"
     )
+    if out.get("moe"):
+        m = out["moe"]
+        print(
+            f"MoE: {m['params_active']:.4g} of {m['params_total']:.4g} parameters active per "
+            f"token; ep={m['ep']}, capacity {m['capacity']} slots/expert/sequence, dispatch "
+            f"buffer {human_bytes(m['dispatch_buffer_bytes'])}, all-to-all "
+            f"{human_bytes(m['all_to_all_bytes_per_layer'])} per MoE layer per micro-batch"
+        )
     print("ZeRO convention (2+2+12 bytes/param):")
     for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes"):
         print(f"  {k:<22} {out[k] / 1e9:10.3f} GB")

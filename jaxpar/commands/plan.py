@@ -13,6 +13,7 @@ LAYOUT_FLAGS = (
     "tp",
     "pp",
     "sp",
+    "ep",
     "zero",
     "microbatches",
     "schedule",

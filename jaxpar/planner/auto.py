@@ -27,7 +27,7 @@ FLAG_OF = {
     "dp": "--dp", "tp": "--tp", "pp": "--pp", "sp": "--sp", "zero": "--zero",
     "microbatches": "--microbatches", "schedule": "--schedule", "virtual": "--virtual",
     "pipeline_memory": "--pipeline-memory", "sp_mode": "--sp-mode", "remat": "--remat",
-    "offload": "--offload", "compute_dtype": "--compute-dtype", "dp_shard": None,
+    "offload": "--offload", "compute_dtype": "--compute-dtype", "ep": "--ep", "dp_shard": None,
     "sequence_parallel": None, "param_dtype": None, "reduce_dtype": None,
 }  # fmt: skip
 

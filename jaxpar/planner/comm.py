@@ -20,6 +20,10 @@ compute's length; the rest is exposed and adds to the step.
   (ZeRO 0/1 reduce after the last micro-batch; ZeRO-2 after each), the last bucket exposed;
   ZeRO 1/2's all-gather of the updated params exposed unless the executor overlaps it with the
   next step's first forward. Hybrid sharding adds an exposed all-reduce across the groups.
+* **ep** (MoE, :mod:`jaxpar.planner.moe`): per MoE layer and micro-batch the dispatch and
+  combine all-to-alls of the padded ``[E, b, C, D]`` buffer forward, their transposes backward
+  (and the forward pair again under any remat policy), over the ep group (``sp·tp`` apart);
+  exposed: the experts' einsums wait for the dispatch and the combine waits for them.
 * **pp**: one send per message the schedule table makes, hidden behind the tick's compute only
   for an executor that overlaps point-to-point with compute.
 """
@@ -31,6 +35,7 @@ from dataclasses import asdict, dataclass
 from jaxpar.analysis import theory as T
 from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
+from jaxpar.planner import moe as MOE
 from jaxpar.planner.activations import kv_heads_local
 from jaxpar.planner.collectives import call_time, combined_calls
 from jaxpar.planner.frameworks import Executor
@@ -147,6 +152,21 @@ def pp_term(model, hw, lay, shape, sends: int, tick: float, overlap: bool) -> Co
                     "the tick's compute" if overlap else "nothing (lock-step ticks)")  # fmt: skip
 
 
+def ep_term(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape) -> CommTerm:
+    """The MoE all-to-alls over ep of one step (module docstring), all exposed."""
+    wc = DTYPE_BYTES[lay.compute_dtype]
+    fig = MOE.figures(model, lay, shape.microbatch_size(lay) or 1, shape.seq, wc)
+    buffer = fig.slots * model.d_model * wc
+    calls = round(fig.a2a_bytes / buffer) * model.moe_layers() * lay.microbatches
+    stride = lay.sp * lay.tp
+    wire = buffer * T.ring_factor(lay.ep)  # a tiled all-to-all keeps 1/ep, sends the rest
+    ct = call_time(hw, "all-to-all", wire, lay.ep, stride)
+    link, algo = _link(hw, stride, lay.ep), f"{ct.algorithm}/{ct.protocol}"
+    return CommTerm("ep_comm", "MoE dispatch/combine all-to-all", calls * wire, calls,
+                    calls * ct.seconds, calls * ct.latency_s, 0.0, link, algo,
+                    "nothing (the experts wait for it)")  # fmt: skip
+
+
 def _term(hw, label, kind, wire, calls, size, stride, window, last_exposed=True) -> CommTerm:
     """``calls`` calls of ``wire`` bytes each, hidden behind ``window`` seconds of compute
     (the last call exposed when ``last_exposed``: no compute follows it)."""
@@ -165,6 +185,8 @@ def dp_terms(model, hw, lay, shape, lt: LayerTime, ex: Executor) -> list[CommTer
         return []
     pc = param_counts(model, lay)
     n, stride = pc.zero_shards if lay.zero else lay.dp, lay.sp * lay.tp
+    if lay.zero and lay.ep > 1:
+        stride *= lay.ep  # ZeRO's edp group is the outer factor of dp = edp × ep
     wr = DTYPE_BYTES[lay.reduce_dtype]
     layers, m = model.n_layers // lay.pp, lay.microbatches
     f_layer = lt.forward
@@ -174,7 +196,11 @@ def dp_terms(model, hw, lay, shape, lt: LayerTime, ex: Executor) -> list[CommTer
     else:
         out = _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex)
     groups = lay.dp // n
-    if groups > 1:  # hybrid: the shard's gradient all-reduced across the groups once
+    if groups > 1 and lay.ep > 1:  # non-expert gradients all-reduced over ep once
+        wire = 2 * (pc.sharded - pc.experts_sharded) * wr * T.ring_factor(groups)
+        out.append(_term(hw, "non-expert all-reduce over ep", "all-reduce", wire, 1, groups,
+                         lay.sp * lay.tp, 0.0))  # fmt: skip
+    elif groups > 1:  # hybrid: the shard's gradient all-reduced across the groups once
         wire = 2 * pc.sharded * wr * T.ring_factor(groups)
         out.append(_term(hw, "all-reduce across shard groups", "all-reduce", wire, 1, groups,
                          stride * n, 0.0))  # fmt: skip
@@ -185,7 +211,7 @@ def _zero3_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> lis
     """ZeRO-3: per layer per pass, prefetched behind the neighbouring layer's compute."""
     r = T.ring_factor(n)
     wr, wc = DTYPE_BYTES[lay.reduce_dtype], DTYPE_BYTES[lay.compute_dtype]
-    per_layer = pc.local_of("layers") / layers
+    per_layer = pc.blocks / layers
     ag = call_time(hw, "all-gather", per_layer * r * wc, n, stride)
     rs = call_time(hw, "reduce-scatter", per_layer * r * wr, n, stride)
     ov = ex.overlap_dp
@@ -201,7 +227,7 @@ def _zero3_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> lis
                     m * layers * (2 * ag.latency_s + rs.latency_s),
                     m * (total - fwd_exposed - bwd_exposed), link, algo,
                     "the neighbouring layer's forward/backward (prefetch)")]  # fmt: skip
-    embed = float(pc.local - pc.local_of("layers"))
+    embed = float(pc.local - pc.blocks)
     if lay.pp > 1:
         embed = float(max(pc.local_of("embed"), pc.local_of("head")))
     if embed:

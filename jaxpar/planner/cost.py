@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.planner import comm as CM
+from jaxpar.planner import moe as MOE
 from jaxpar.planner import traffic as TR
 from jaxpar.planner.activations import block_residuals, kv_heads_local
 from jaxpar.planner.collectives import latencies
@@ -43,7 +44,7 @@ from jaxpar.planner.pipe import ActionCosts, PipeFigures, figures
 from jaxpar.planner.shapes import param_counts
 from jaxpar.planner.workload import Shape
 
-COMM_TERMS = ("tp_comm", "sp_comm", "pp_p2p", "dp_comm")
+COMM_TERMS = ("tp_comm", "sp_comm", "pp_p2p", "dp_comm", "ep_comm")
 OPTIMIZER_BYTES = 30.0  # Adam: read p, g, m, v (fp32), write p, m, v, and the bf16 copy
 
 
@@ -133,6 +134,25 @@ def layer_time(
                      efficiency=eff, recompute=recompute, overlap_tp=ex.overlap_tp)  # fmt: skip
 
 
+def moe_ffn_delta(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape
+                  ) -> float:  # fmt: skip
+    """Forward seconds a MoE block adds over the dense block :func:`layer_time` prices: the
+    routed experts' einsums on every dispatch slot (padding included, :mod:`jaxpar.planner.
+    moe`), the shared experts and the router, less the dense FFN."""
+    b = shape.microbatch_size(lay) or 1
+    tokens, d, t = b * shape.seq / lay.sp, model.d_model, lay.tp
+    slots = MOE.figures(model, lay, b, shape.seq, DTYPE_BYTES[lay.compute_dtype]).slots
+    e = model.moe
+    f, shared = model.expert_ff / t, e.shared_experts * model.expert_ff / t
+    secs = _matmul(hw, slots, d, 2 * f)[0] + _matmul(hw, slots, f, d)[0]
+    if shared:
+        secs += _matmul(hw, tokens, d, 2 * shared)[0] + _matmul(hw, tokens, shared, d)[0]
+    secs += _matmul(hw, tokens, d, e.experts)[0]
+    dense_f = model.d_ff / t
+    dense = _matmul(hw, tokens, d, 2 * dense_f)[0] + _matmul(hw, tokens, dense_f, d)[0]
+    return secs - dense
+
+
 def head_time(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape,
               mem_bw: float) -> float:  # fmt: skip
     """Head matmul, fp32 loss work and backward of one micro-batch (last pipeline stage)."""
@@ -202,10 +222,15 @@ def step_cost(
     pf, bubble, pp_terms = _pipeline(model, hw, lay, shape, executor, lt, costs)
     comm = [*CM.layer_terms(lt, layers * m, lay.remat == "full"), *pp_terms]
     comm += CM.dp_terms(model, hw, lay, shape, lt, executor)
+    moe_fwd = 0.0
+    if model.moe.enabled:
+        moe_fwd = model.moe_layers() * moe_ffn_delta(model, hw, lay, shape)
+        if lay.ep > 1:
+            comm.append(CM.ep_term(model, hw, lay, shape))
     host = TR.host_traffic(model, lay, shape, activation_host_bytes)
     terms = {
-        "compute": m * (layers * 3 * lt.compute + head),
-        "recompute": m * layers * lt.recompute,
+        "compute": m * (layers * 3 * lt.compute + 3 * moe_fwd + head),
+        "recompute": m * (layers * lt.recompute + (moe_fwd if lay.remat == "full" else 0.0)),
         "optimizer": optimizer_time(model, lay, mem_bw),
         "bubble": bubble,
         "offload": host / hw.host_to_device_bw,

@@ -19,6 +19,7 @@ TERM_NAMES = {
     "bubble": "pipeline bubble",
     "pp_p2p": "exposed pipeline sends",
     "dp_comm": "exposed dp/ZeRO traffic",
+    "ep_comm": "exposed MoE all-to-all over ep",
     "offload": "host transfers",
 }
 
@@ -47,7 +48,18 @@ def summary(c: Candidate, model: ModelConfig, hw: HardwareConfig, shape: M.Shape
         # every collective kind: bytes, calls, seconds with their latency, hidden and exposed
         "communication": [t.to_dict() for t in c.cost.comm if t.calls],
         "flags": list(c.flags),
+        # MoE: total and active parameters, the dispatch buffer and its all-to-all (else null)
+        "moe": _moe(c, model, shape),
     }
+
+
+def _moe(c: Candidate, model: ModelConfig, shape: M.Shape) -> dict | None:
+    from jaxpar.analysis.theory import DTYPE_BYTES
+    from jaxpar.planner import moe as MOE
+
+    rows = shape.microbatch_size(c.layout) or 1
+    wc = DTYPE_BYTES[c.layout.compute_dtype]
+    return MOE.report(model, c.layout, rows, shape.seq, wc) or None
 
 
 def _pipeline(c: Candidate) -> dict | None:
@@ -128,6 +140,7 @@ def layout_text(lay: dict) -> str:
     extra += " lean" if lay.get("pipeline_memory") == "lean" else ""
     sp = " +SP" if lay.get("sequence_parallel") else ""
     sp += f" ({lay['sp_mode']})" if lay.get("sp_mode") else ""
+    sp += f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else ""
     return (
         f"dp={lay['dp']} tp={lay['tp']}{sp} pp={lay['pp']} sp={lay['sp']} zero={lay['zero']}"
         f"{extra} micro-batch {lay['microbatch_size']}×{lay['microbatches']} "

@@ -35,6 +35,7 @@ import dataclasses
 
 from jaxpar.analysis.theory import DTYPE_BYTES, zero_model_states
 from jaxpar.config import LayoutConfig, ModelConfig
+from jaxpar.planner import moe as MOE
 from jaxpar.planner.activations import block_residuals
 from jaxpar.planner.cost import action_costs
 from jaxpar.planner.frameworks import JAXPAR, Executor, for_model
@@ -124,9 +125,16 @@ def _activations(model, lay, shape, executor, pipe, pc, tokens) -> tuple[float, 
         res = dataclasses.replace(res, weights=0.0)
     per_layer = res.bytes(tokens, wc)
     acts = per_layer * chunk * max(pipe.peak_stashes) if lay.pp > 1 else per_layer * layers
+    rows = shape.microbatch_size(lay) or 1
+    if model.moe.enabled:  # MoE runs without a pipeline (validation): its blocks apart
+        acts += model.moe_layers() * (_moe_layer(model, lay, shape, executor, remat, rows, wc)
+                                      - per_layer)  # fmt: skip
 
     def layer_bytes(policy: str) -> float:
-        return block_residuals(model, lay, shape.seq, executor.attention, policy).bytes(tokens, wc)
+        dense = block_residuals(model, lay, shape.seq, executor.attention, policy).bytes(tokens, wc)
+        if not model.moe.enabled:
+            return dense
+        return max(dense, _moe_layer(model, lay, shape, executor, policy, rows, wc))
 
     if remat == "offload":  # the matmul outputs of every layer park on the host
         host += layer_bytes("selective") * layers * pipe.peak_stashes[0]
@@ -141,9 +149,19 @@ def _activations(model, lay, shape, executor, pipe, pc, tokens) -> tuple[float, 
         acts += XLA_BACKWARD * full_layer
     if lay.zero == 3:
         # The embedding and head tables are gathered whole (their layers are not scanned).
-        acts += wc * (pc.local - pc.local_of("layers"))
+        acts += wc * (pc.local - pc.blocks)
 
     return acts, per_layer, host
+
+
+def _moe_layer(model, lay, shape, executor, remat, rows, wc) -> float:
+    """One MoE block's residuals: the block with its shared experts as the FFN, plus the
+    dispatch slots and the router (:mod:`jaxpar.planner.moe`)."""
+    res = block_residuals(MOE.shared_model(model), lay, shape.seq, executor.attention, remat)
+    if lay.zero == 3:
+        res = dataclasses.replace(res, weights=0.0)
+    tokens = rows * shape.seq / lay.sp
+    return res.bytes(tokens, wc) + MOE.slot_residual_bytes(model, lay, rows, shape.seq, wc, remat)
 
 
 def _pipeline_bytes(model, lay, executor, pipe, pc, tokens, per_layer, carried) -> float:
@@ -157,7 +175,7 @@ def _pipeline_bytes(model, lay, executor, pipe, pc, tokens, per_layer, carried) 
     n_act, n_grad, n_cot = pipe.slots
     pipeline = msg * (n_act + n_grad + n_cot)  # receive slots and the loss cotangents
     pipeline += executor.tick_stashes * per_layer * chunk  # the tick's own residual sets
-    pipeline += wp * (pc.local - pc.local_of("layers"))  # head/embedding grads accumulator
+    pipeline += wp * (pc.local - pc.blocks)  # head/embedding grads accumulator
     # The scan carries the stashes and the gradient accumulators (Executor.carry_copies).
     return pipeline + executor.carry_copies * (carried + pipeline)
 

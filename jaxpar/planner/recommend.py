@@ -68,6 +68,14 @@ def _finish(c: S.Candidate, cfg: C.RunConfig, shape: Shape) -> dict:
     return X.summary(c, cfg.model, cfg.mesh.hardware, shape)
 
 
+def params_text(model: C.ModelConfig) -> str:
+    """'46.7 B params' (a MoE model: ', 12.9 B active' too: its FLOPs come from those)."""
+    text = f"{model.param_count() / 1e9:.1f} B params"
+    if model.moe.enabled:
+        text += f", {model.active_param_count() / 1e9:.1f} B active"
+    return text
+
+
 def cost_layout(cfg: C.RunConfig, given: dict[str, str] | None = None) -> dict:
     """Cost exactly ``cfg``'s layout: the summary plus ``verdict`` ('fits'/'does not fit'),
     ``workload`` and ``assumed`` (as :func:`plan`)."""
@@ -77,8 +85,9 @@ def cost_layout(cfg: C.RunConfig, given: dict[str, str] | None = None) -> dict:
     out = _finish(c, cfg, shape)
     verdict = "fits" if c.fits else "does not fit"
     out["verdict"] = verdict
+    moe = f" ({params_text(cfg.model)})" if cfg.model.moe.enabled else ""
     out["headline"] = (
-        f"{cfg.model.name} on {cfg.mesh.name} ({cfg.mesh.devices} devices), given layout: "
+        f"{cfg.model.name}{moe} on {cfg.mesh.name} ({cfg.mesh.devices} devices), given layout: "
         f"{verdict} ({human_bytes(c.memory['total'])} of {human_bytes(c.usable)} usable "
         "per device)"
     )
@@ -117,7 +126,7 @@ def check_workload(cfg: C.RunConfig) -> Shape:
 
 def rank_layouts(cfg: C.RunConfig) -> Ranking:
     """Search ``cfg.model`` on ``cfg.mesh`` at ``cfg.train``'s workload: the best layout of
-    each (dp, tp, pp, sp, schedule) split that fits, ranked by step time (what ``plan``,
+    each (dp, tp, pp, sp, schedule, ep) split that fits, ranked by step time (what ``plan``,
     ``--emit-flags`` and ``--layout auto`` share)."""
     shape = check_workload(cfg)
     groups: dict[tuple, S.Candidate] = {}
@@ -127,7 +136,7 @@ def rank_layouts(cfg: C.RunConfig) -> Ranking:
         evaluated += 1
         lay = c.layout
         key = (lay.dp, lay.tp, lay.pp, lay.sp, lay.sp_mode, lay.schedule, lay.virtual,
-               lay.pipeline_memory)  # fmt: skip
+               lay.pipeline_memory, lay.ep)  # fmt: skip
         if key not in groups or _rank(c) < _rank(groups[key]):
             groups[key] = c
     ranked = sorted(groups.values(), key=_rank)
@@ -170,7 +179,7 @@ def plan(cfg: C.RunConfig, top: int = 3, given: dict[str, str] | None = None) ->
     sources = workload_sources(cfg, given)
     base_lay, rule = S.baseline_layout(model, hw, n, shape)
     base = S.evaluate(model, hw, base_lay, shape) if base_lay else None
-    head = f"{model.name} ({model.param_count() / 1e9:.1f} B params) on {cfg.mesh.name} "
+    head = f"{model.name} ({params_text(model)}) on {cfg.mesh.name} "
     head += f"({n} devices), global batch {shape.global_batch} × {shape.seq} tokens"
     if "default" in sources.values():
         head += " (jaxpar's defaults: the mesh file states no workload)"

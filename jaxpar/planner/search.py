@@ -5,7 +5,9 @@ Every candidate is drawn through :func:`jaxpar.validation.check_layout`, the pre
 layouts the trainer accepts (and, when the trainer learns a new combination, proposes it).
 
 The space: tp (powers of two dividing the head count, up to two nodes), sp (Ulysses or ring),
-pp (dividing the layers and the devices left), dp the rest; for pipelines every schedule with
+pp (dividing the layers and the devices left), dp the rest, and for a MoE model ep (dividing
+dp and the routed experts; the trainer refuses MoE with pp or sp > 1 and hybrid sharding with
+ep, and the predicate below drops those); for pipelines every schedule with
 its allowed virtual stages (1F1B in both memory modes from pp 3 on); ZeRO 0–3; the micro-batch size
 (divisors of the per-dp batch up to ``MAX_MB_TOKENS`` tokens, and 1); Megatron sequence
 parallelism with tp; remat and offload.
@@ -88,7 +90,7 @@ class Candidate:
 def layout_dict(lay: LayoutConfig, shape: M.Shape) -> dict:
     """The ``layout`` JSON object."""
     keys = ("dp", "tp", "pp", "sp", "zero", "virtual", "microbatches", "remat", "offload",
-            "sequence_parallel", "dp_shard")  # fmt: skip
+            "sequence_parallel", "dp_shard", "ep")  # fmt: skip
     out = {k: getattr(lay, k) for k in keys}
     out["schedule"] = lay.schedule if lay.pp > 1 else None
     out["pipeline_memory"] = lay.pipeline_memory if lay.pp > 1 else None
@@ -148,6 +150,14 @@ def splits(model: ModelConfig, hw: HardwareConfig, n: int, seq: int) -> Iterator
                     yield tp, sp, pp, n // (tp * sp * pp)
 
 
+def ep_sizes(model: ModelConfig, dp: int) -> list[int]:
+    """Expert-parallel sizes worth trying: 1 and every ep dividing both dp and the routed
+    experts (a dense model: 1 only)."""
+    if not model.moe.enabled:
+        return [1]
+    return [e for e in _divisors(dp) if model.moe.experts % e == 0]
+
+
 def base_layout(hw: HardwareConfig, tp: int, sp: int, pp: int, dp: int, **kw) -> LayoutConfig:
     """A layout of this split with the platform's compute dtype and fp32 reductions."""
     dtype = "bfloat16" if hw.platform == "gpu" else "float32"
@@ -156,7 +166,7 @@ def base_layout(hw: HardwareConfig, tp: int, sp: int, pp: int, dp: int, **kw) ->
     return LayoutConfig(**{**fields, **kw})  # one construction: the search makes ~10^5
 
 
-def _leanest(model, hw, shape, tp, sp, pp, dp, n) -> tuple[LayoutConfig, dict] | None:
+def _leanest(model, hw, shape, tp, sp, pp, dp, n, ep=1) -> tuple[LayoutConfig, dict] | None:
     """The runnable variant of a split with the least memory (micro-batch 1 or as few as
     allowed), or None when no variant of it runs."""
     best = None
@@ -168,7 +178,7 @@ def _leanest(model, hw, shape, tp, sp, pp, dp, n) -> tuple[LayoutConfig, dict] |
                     lay = base_layout(hw, tp, sp, pp, dp, zero=3 if dp > 1 else 0,
                                       remat="full", offload=offload, microbatches=m,
                                       schedule=kind, virtual=v, pipeline_memory=pipe_mem,
-                                      sp_mode=sp_mode)  # fmt: skip
+                                      sp_mode=sp_mode, ep=ep)  # fmt: skip
                     if not runnable(model, lay, shape, n):
                         continue
                     mem = M.memory(model, lay, shape)
@@ -195,17 +205,25 @@ def candidates(
     for tp, sp, pp, dp in splits(model, hw, n, shape.seq):
         if shape.global_batch % dp:
             continue
-        lean = _leanest(model, hw, shape, tp, sp, pp, dp, n)
-        if lean is None or lean[1]["total"] > room:
-            continue
-        per_dp = shape.global_batch // dp
-        for b in [b for b in _divisors(per_dp) if b == 1 or b * shape.seq <= MAX_MB_TOKENS]:
-            for kind, v, pipe_mem in pipe_choices(pp):
-                for sp_mode in ("ulysses", "ring") if sp > 1 else ("ulysses",):
-                    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                        kw = dict(zero=zero, microbatches=per_dp // b, schedule=kind, virtual=v,
-                                  pipeline_memory=pipe_mem, sp_mode=sp_mode)  # fmt: skip
-                        yield from _first_fitting(model, hw, shape, n, tp, sp, pp, dp, kw, counter)
+        for ep in ep_sizes(model, dp):
+            lean = _leanest(model, hw, shape, tp, sp, pp, dp, n, ep)
+            if lean is None or lean[1]["total"] > room:
+                continue
+            yield from _split_candidates(model, hw, shape, n, (tp, sp, pp, dp, ep), counter)
+
+
+def _split_candidates(model, hw, shape, n, split, counter) -> Iterator[Candidate]:
+    """The candidates of one (tp, sp, pp, dp, ep) split: micro-batch size, pipe choice, sp
+    mode and ZeRO stage, each with its first fitting remat/offload."""
+    tp, sp, pp, dp, ep = split
+    per_dp = shape.global_batch // dp
+    for b in [b for b in _divisors(per_dp) if b == 1 or b * shape.seq <= MAX_MB_TOKENS]:
+        for kind, v, pipe_mem in pipe_choices(pp):
+            for sp_mode in ("ulysses", "ring") if sp > 1 else ("ulysses",):
+                for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                    kw = dict(zero=zero, microbatches=per_dp // b, schedule=kind, virtual=v,
+                              pipeline_memory=pipe_mem, sp_mode=sp_mode, ep=ep)  # fmt: skip
+                    yield from _first_fitting(model, hw, shape, n, tp, sp, pp, dp, kw, counter)
 
 
 def _first_fitting(model, hw, shape, n, tp, sp, pp, dp, kw, counter) -> Iterator[Candidate]:
@@ -228,9 +246,10 @@ def smallest_shortfall(model: ModelConfig, hw: HardwareConfig, n: int, shape: M.
     ``layout`` is None when no split runs at all."""
     best: tuple[LayoutConfig, dict] | None = None
     for tp, sp, pp, dp in splits(model, hw, n, shape.seq):
-        lean = _leanest(model, hw, shape, tp, sp, pp, dp, n)
-        if lean and (best is None or lean[1]["total"] < best[1]["total"]):
-            best = lean
+        for ep in ep_sizes(model, dp):
+            lean = _leanest(model, hw, shape, tp, sp, pp, dp, n, ep)
+            if lean and (best is None or lean[1]["total"] < best[1]["total"]):
+                best = lean
     return {"layout": best[0] if best else None, "memory": best[1] if best else None}
 
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from jaxpar.config import MODEL_SHAPE_FIELDS, LayoutConfig, ModelConfig
+from jaxpar.config import MODEL_SHAPE_FIELDS, LayoutConfig, ModelConfig, MoeConfig
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,21 @@ class ParamCounts:
         first = {"optimizer": 1, "grads": 2, "params": 3}[state]
         return self.sharded if self.stage >= first else self.local
 
+    @cached_property
+    def blocks(self) -> int:
+        """Local elements of the decoder blocks: the dense stack and the MoE stack."""
+        return self.local_of("layers") + self.local_of("moe_layers")
+
+    @cached_property
+    def experts_local(self) -> int:
+        """Local elements of the routed experts (sharded over ep, reduced over edp only)."""
+        return sum(t[1] for k, t in self.tensors.items() if _routed(k))
+
+    @cached_property
+    def experts_sharded(self) -> int:
+        """Elements of the routed experts in one ZeRO shard."""
+        return sum(t[2] for k, t in self.tensors.items() if _routed(k))
+
     def local_of(self, prefix: str) -> int:
         """Local elements of the tensors whose path starts with ``prefix`` (e.g. 'layers')."""
         memo = self.__dict__.setdefault("_local_of", {})  # the search asks thousands of times
@@ -67,9 +82,25 @@ def zero_shards(layout: LayoutConfig) -> int:
     return zero_size(layout)
 
 
+MOE_SHAPE_FIELDS = ("experts", "top_k", "shared_experts", "expert_ff", "first_dense", "every")
+
+
 def shape_key(model: ModelConfig) -> tuple:
-    """The model's shape fields (the config's one list of them): equal keys, equal params."""
-    return tuple(getattr(model, f) for f in MODEL_SHAPE_FIELDS)
+    """The model's shape fields (the config's one list of them) and its MoE section's shape
+    fields last: equal keys, equal params."""
+    moe = tuple(getattr(model.moe, f) for f in MOE_SHAPE_FIELDS)
+    return (*(getattr(model, f) for f in MODEL_SHAPE_FIELDS), moe)
+
+
+def _model_of(key: tuple) -> ModelConfig:
+    moe = MoeConfig(**dict(zip(MOE_SHAPE_FIELDS, key[-1], strict=True)))
+    return ModelConfig(**dict(zip(MODEL_SHAPE_FIELDS, key[:-1], strict=True)), moe=moe)
+
+
+def _routed(path: str) -> bool:
+    """Whether ``path`` is a routed expert's weight (``moe_layers/moe/mlp/w_*``: the leading
+    dims are layers then experts; the shared expert lives under ``mlp/shared``)."""
+    return path.startswith("moe_layers/") and "/mlp/w_" in path and "/shared/" not in path
 
 
 @lru_cache(maxsize=64)
@@ -79,7 +110,7 @@ def _descriptor(key: tuple) -> tuple[tuple[str, tuple[int, ...], tuple], ...]:
 
     from jaxpar.model import Model
 
-    model = Model(ModelConfig(**dict(zip(MODEL_SHAPE_FIELDS, key, strict=True))))
+    model = Model(_model_of(key))
     shapes = jax.tree_util.tree_flatten_with_path(model.abstract())[0]
     axes = jax.tree.leaves(model.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))
     return tuple(
@@ -92,7 +123,9 @@ def _mesh_sizes(layout: LayoutConfig) -> dict[str, int]:
     from jaxpar.sharding import hybrid
 
     sizes = {"pp": layout.pp, "dp": layout.dp, "sp": layout.sp, "tp": layout.tp}
-    if hybrid(layout):
+    if layout.ep > 1:  # dp folded as edp × ep (jaxpar.devices.make_mesh)
+        sizes.update(edp=layout.dp // layout.ep, ep=layout.ep)
+    elif hybrid(layout):
         sizes.update(dps=layout.dp_shard, dpr=layout.dp // layout.dp_shard)
     return sizes
 
@@ -109,12 +142,12 @@ def _split(shape: tuple[int, ...], spec, sizes: dict[str, int]) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _counts(key: tuple, tp: int, pp: int, dp: int, dp_shard: int, zero: int):
+def _counts(key: tuple, tp: int, pp: int, dp: int, dp_shard: int, zero: int, ep: int = 1):
     from jaxpar import sharding as shd
 
-    model = ModelConfig(**dict(zip(MODEL_SHAPE_FIELDS, key, strict=True)))
+    model = _model_of(key)
     # sp shards activations only: no parameter names a sequence axis
-    lay = LayoutConfig(tp=tp, pp=pp, dp=dp, sp=1, dp_shard=dp_shard, zero=zero)
+    lay = LayoutConfig(tp=tp, pp=pp, dp=dp, sp=1, dp_shard=dp_shard, zero=zero, ep=ep)
     rules = shd.rules_for(model, lay)
     sizes = _mesh_sizes(lay)
     nz, zaxis = shd.zero_size(lay), shd.zero_axis(lay)
@@ -129,4 +162,5 @@ def _counts(key: tuple, tp: int, pp: int, dp: int, dp_shard: int, zero: int):
 def param_counts(model: ModelConfig, layout: LayoutConfig) -> ParamCounts:
     """Per-tensor element counts on one device under ``layout`` (memoised: the search asks
     for the same few thousand combinations many times)."""
-    return _counts(shape_key(model), layout.tp, layout.pp, layout.dp, layout.dp_shard, layout.zero)
+    lay = layout
+    return _counts(shape_key(model), lay.tp, lay.pp, lay.dp, lay.dp_shard, lay.zero, lay.ep)

@@ -15,7 +15,9 @@ device holds after tp and pp (:mod:`jaxpar.planner.shapes`), N the ZeRO group, k
   gathers and reduces per micro-batch only the piece a stage uses (embedding on the first,
   head on the last). Hybrid
   sharding (``dp_shard``): the same over the shard group plus an all-reduce of the shard across
-  the groups once per step.
+  the groups once per step. Expert parallelism (MoE): ZeRO's group is ``edp = dp/ep``; the
+  routed experts' gradients are reduced over ``edp`` only, the rest all-reduced over ``ep``
+  too (at stage 0 everything in one all-reduce over dp, the experts over edp).
 * **tp** and **sp**: per call, in :mod:`jaxpar.planner.comm` (with their latency).
 * **pp**: one activation or cotangent message per send the schedule table makes.
 * **host**: optimizer offload moves gradients down and params up once per step; params offload
@@ -43,10 +45,13 @@ def dp_traffic(model: ModelConfig, lay: LayoutConfig) -> dict[str, Any]:
     k, r = lay.microbatches, ring(n)
     wr, wp, wc = (DTYPE_BYTES[d] for d in (lay.reduce_dtype, lay.param_dtype, lay.compute_dtype))
     saved = 0.0
-    embed = float(pc.local - pc.local_of("layers"))  # embedding, head and final norm
+    embed = float(pc.local - pc.blocks)  # embedding, head and final norm
     layers = psi - embed
     if lay.zero == 0:
         grads, params = 2 * psi * r * wr, 0.0
+        if lay.ep > 1:  # an expert's gradient is whole on its owner: reduced over edp only
+            experts = float(pc.experts_local)
+            grads = 2 * ((psi - experts) * r + experts * ring(lay.dp // lay.ep)) * wr
     elif lay.zero == 1:
         grads, params = psi * r * wr, psi * r * wp
     elif lay.zero == 2:
@@ -63,7 +68,11 @@ def dp_traffic(model: ModelConfig, lay: LayoutConfig) -> dict[str, Any]:
         grads, params = k * psi * r * wr, 2 * k * psi * r * wc
         saved = k * embed * r * wc
     groups = lay.dp // n
-    across = 2 * (psi / n) * ring(groups) * wr if groups > 1 else 0.0
+    if lay.ep > 1:  # experts are whole on their owner: only the rest is reduced over ep
+        psi_across = psi - pc.experts_local
+    else:
+        psi_across = psi
+    across = 2 * (psi_across / n) * ring(groups) * wr if groups > 1 else 0.0
     return {
         "psi": psi,
         "n": n,
