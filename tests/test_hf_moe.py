@@ -4,27 +4,18 @@ logits; what Mixtral's format cannot hold is refused in one line."""
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import config as C
-from jaxpar.devices import make_mesh
 from jaxpar.errors import ConfigError
-from jaxpar.model import Model, hf
+from jaxpar.model import hf
 from jaxpar.model.hf_moe import check_export
-from jaxpar.sharding import use_rules
-from jaxpar.train.step import Trainer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
-
-
-def _hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+from test_hf import _export_same_tensors, _hf_logits, _jax_logits  # noqa: E402  (after the skips: it needs torch)
 
 
 @pytest.fixture(scope="module")
@@ -48,23 +39,6 @@ def mixtral(tmp_path_factory):
     return path, model, tokens, _hf_logits(model, tokens)
 
 
-def _jax_logits(path, cfg: C.RunConfig, tokens):
-    mesh = make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices])
-    tr = Trainer(cfg, mesh)
-    params = hf.load(path, cfg.model, tr.param_shardings)
-    model = Model(cfg.model)
-
-    def logits(params, tokens_BxS):
-        positions = jnp.arange(tokens_BxS.shape[1])
-        x, _ = model.moe_groups(params["moe_layers"], model.embed(params, tokens_BxS), positions)
-        return model.logits(params, x)
-
-    with jax.set_mesh(mesh), use_rules(tr.rules):
-        fn = jax.jit(logits, in_shardings=(tr.param_shardings, tr.batch_sharding))
-        batch = jax.device_put(np.asarray(tokens, np.int32), tr.batch_sharding)
-        return params, np.asarray(fn(params, batch))
-
-
 def test_mixtral_logits_match_transformers_on_ep_and_tp(mixtral, make_cfg):
     path, _, tokens, ref = mixtral
     cfg = make_cfg(dp=2, ep=2, tp=2)
@@ -83,12 +57,7 @@ def test_mixtral_export_round_trip(mixtral, make_cfg, tmp_path):
     cfg.model = hf.model_config(path)
     params, got = _jax_logits(path, cfg, tokens)
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
-    out = hf.export(params, cfg.model, tmp_path / "exported")
-    a = safetensors_numpy.load_file(str(path / "model.safetensors"))
-    b = safetensors_numpy.load_file(str(out / "model.safetensors"))
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert np.array_equal(a[k], b[k]), k
+    out = _export_same_tensors(params, cfg.model, path, tmp_path / "exported")
     again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(again).__name__ == "MixtralForCausalLM"
     np.testing.assert_allclose(_hf_logits(again, tokens), ref, atol=1e-6, rtol=0)
