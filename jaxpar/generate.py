@@ -18,11 +18,20 @@ Sampling (:func:`next_token`): temperature 0 is greedy; otherwise logits / tempe
 top-k, then top-p (nucleus: the smallest set of most likely tokens whose probability reaches
 ``p``), then a categorical draw with key ``fold_in(key(seed), t)`` at step ``t``. A row that
 emits the end-of-text token stops; the loop ends when every row has stopped.
+
+A MoE model (``model.moe``) decodes through the same stacks as its forward (dense prefix,
+then the MoE groups), routing each token as training does (top-k of score + the learned
+bias, gates from the scores) but **dropless**: a capacity factor set for training is ignored
+(:func:`decode_model`). With a capacity, which assignments an expert drops depends on the other
+tokens of the sequence (GShard's priority), so a prompt's pads and a one-token decode step
+would route unlike the whole sequence; dropless, every token's output depends on itself only,
+and cached decoding equals the dropless forward on the whole sequence.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -97,7 +106,11 @@ def cached_attention(
 
 def forward(model: Model, params, tokens_BxT, cache, index, pad_B, dtype=jnp.float32):
     """Feed ``T`` tokens at cache slots ``index .. index+T-1``: last position's logits
-    ``[B, V]`` and the updated cache ``(k, v)``."""
+    ``[B, V]`` and the updated cache ``(k, v)``.
+
+    The layers run as the training forward runs them: the dense stack ``layers``, then (a MoE
+    model) the groups of ``moe_layers``, each ``every - 1`` dense blocks and one MoE block.
+    Cache layer ``i`` is model layer ``i`` in that order."""
     b, t = tokens_BxT.shape
     slots_T = index + jnp.arange(t)
     positions_BxT = jnp.maximum(slots_T[None, :] - pad_B[:, None], 0)
@@ -107,11 +120,9 @@ def forward(model: Model, params, tokens_BxT, cache, index, pad_B, dtype=jnp.flo
     mask_BxTxM = (keys_M[None, None, :] <= slots_T[None, :, None]) & (
         keys_M[None, None, :] >= pad_B[:, None, None]
     )
-    x = model.embed(params, tokens_BxT, dtype)
 
-    def layer(carry, xs):
+    def layer(carry, layer_params, i, moe=False):
         x, k_cache, v_cache = carry
-        layer_params, i = xs
 
         def attend(q, k, v):
             nonlocal k_cache, v_cache
@@ -122,15 +133,37 @@ def forward(model: Model, params, tokens_BxT, cache, index, pad_B, dtype=jnp.flo
             v_all = jax.lax.dynamic_index_in_dim(v_cache, i, 0, keepdims=False)
             return cached_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask_BxTxM)
 
-        x = model.block(layer_params, x, positions_BxT, attend)
-        return (x, k_cache, v_cache), None
+        return model.block(layer_params, x, positions_BxT, attend, moe), k_cache, v_cache
 
-    n_layers = model.cfg.n_layers
-    (x, k_cache, v_cache), _ = jax.lax.scan(
-        layer, (x, *cache), (params["layers"], jnp.arange(n_layers))
-    )
+    def stack(carry, stacked, layer_ids):
+        return jax.lax.scan(lambda c, xs: (layer(c, *xs), None), carry, (stacked, layer_ids))[0]
+
+    cfg = model.cfg
+    carry = (model.embed(params, tokens_BxT, dtype), *cache)
+    if "layers" in params:
+        carry = stack(carry, params["layers"], jnp.arange(cfg.dense_prefix()))
+    if "moe_layers" in params:
+        every = cfg.moe.every
+
+        def group(carry, xs):
+            group_params, first = xs
+            if "dense" in group_params:
+                carry = stack(carry, group_params["dense"], first + jnp.arange(every - 1))
+            return layer(carry, group_params["moe"], first + every - 1, moe=True), None
+
+        firsts_G = cfg.dense_prefix() + every * jnp.arange(cfg.moe_layers())
+        carry, _ = jax.lax.scan(group, carry, (params["moe_layers"], firsts_G))
+    x, k_cache, v_cache = carry
     logits = model.logits(params, x[:, -1:])[:, 0]
     return logits, (constrain(k_cache, CACHE_AXES), constrain(v_cache, CACHE_AXES))
+
+
+def decode_model(model: Model) -> Model:
+    """``model`` routing without capacity (``model.moe.capacity_factor`` 0): what sampling
+    runs, so that each token's experts and gates depend on that token alone."""
+    cfg = model.cfg
+    moe = dataclasses.replace(cfg.moe, capacity_factor=0.0)
+    return Model(dataclasses.replace(cfg, moe=moe))
 
 
 @dataclass(frozen=True)
@@ -159,8 +192,9 @@ class Generator:
     """
 
     def __init__(self, model: Model, mesh, rules: Rules, dtype=jnp.float32):
-        if model.cfg.moe.enabled:  # the decode loop scans the dense layer stack only
-            raise ConfigError("model.moe: generation from a MoE model: not supported yet")
+        moe = model.cfg.moe
+        if moe.enabled and moe.capacity_factor:  # sampling is dropless (see decode_model)
+            model = decode_model(model)
         self.model, self.mesh, self.rules, self.dtype = model, mesh, rules, dtype
         self._compiled: dict[tuple, tuple[Any, Any]] = {}
 

@@ -276,9 +276,10 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             "checkpoint already holds the weights); drop one of them (--resume-or-start "
             "starts from the weights only when there is no checkpoint)"
         )
-    for name in ("init_from_hf", "export_hf"):
-        if m.moe.enabled and getattr(t, name):
-            raise ConfigError(f"train.{name}={getattr(t, name)!r}: model.moe: not supported yet")
+    if m.moe.enabled and t.export_hf:  # Mixtral's format (train.init_from_hf: hf.check_config)
+        from jaxpar.model.hf_moe import check_export
+
+        check_export(m)
     if t.data not in ("stdlib", "synthetic") and (why := typed.not_a_file(Path(t.data))):
         raise ConfigError(
             f"train.data={t.data!r}: token file {why} (use 'stdlib', 'synthetic' or a path to "

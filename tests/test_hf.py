@@ -67,14 +67,30 @@ def _jax_logits(path, cfg: C.RunConfig, tokens):
     model = Model(cfg.model)
 
     def logits(params, tokens_BxS):
+        # The training forward's stacks: the dense ``layers``, then a MoE model's groups.
+        positions = jnp.arange(tokens_BxS.shape[1])
         x = model.embed(params, tokens_BxS)
-        x = model.blocks(params["layers"], x, jnp.arange(tokens_BxS.shape[1]))
+        if "layers" in params:
+            x = model.blocks(params["layers"], x, positions)
+        if "moe_layers" in params:
+            x, _ = model.moe_groups(params["moe_layers"], x, positions)
         return model.logits(params, x)
 
     with jax.set_mesh(mesh), use_rules(tr.rules):
         fn = jax.jit(logits, in_shardings=(tr.param_shardings, tr.batch_sharding))
         batch = jax.device_put(np.asarray(tokens, np.int32), tr.batch_sharding)
         return params, np.asarray(fn(params, batch))
+
+
+def _export_same_tensors(params, model_cfg, source, out_dir):
+    """Export ``params`` to ``out_dir``; its tensors are bit-identical to ``source``'s."""
+    out = hf.export(params, model_cfg, out_dir)
+    a = safetensors_numpy.load_file(str(source / "model.safetensors"))
+    b = safetensors_numpy.load_file(str(out / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    return out
 
 
 @pytest.mark.parametrize("layout", [dict(dp=8), dict(dp=4, tp=2)])
@@ -95,12 +111,7 @@ def test_tied_embeddings_and_export_round_trip(llama, make_cfg, tmp_path):
     cfg = make_cfg(dp=1)
     cfg.model = hf.model_config(path)
     params, _ = _jax_logits(path, cfg, tokens[:1])
-    out = hf.export(params, cfg.model, tmp_path / "exported")
-    a = safetensors_numpy.load_file(str(path / "model.safetensors"))
-    b = safetensors_numpy.load_file(str(out / "model.safetensors"))
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert np.array_equal(a[k], b[k]), k
+    out = _export_same_tensors(params, cfg.model, path, tmp_path / "exported")
     again = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     np.testing.assert_allclose(_hf_logits(again, tokens), ref, atol=1e-6)
 

@@ -42,6 +42,7 @@ import numpy as np
 from jaxpar import typed
 from jaxpar.config import ModelConfig
 from jaxpar.errors import ConfigError, JaxparError
+from jaxpar.model import hf_moe
 
 Params = dict[str, Any]
 
@@ -57,6 +58,31 @@ class _Entry:
     @property
     def stacked(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def experts(self) -> bool:
+        """One HF tensor per routed expert (``{x}``), stacked on jaxpar's leading ``E`` axis."""
+        return "{x}" in self.hf
+
+    def names(self, i: int | None, c: ModelConfig) -> list[str]:
+        """The HF tensors of layer ``i`` (None: an unstacked entry)."""
+        xs = range(c.moe.experts) if self.experts else [None]
+        return [self.hf.format(i=i, x=x) for x in xs]
+
+    def shape(self, c: ModelConfig) -> tuple[int, ...]:
+        """jaxpar's shape of one layer's value."""
+        one = self.to_jax(np.empty(self.hf_shape(c), np.float32), c).shape
+        return (c.moe.experts, *one) if self.experts else one
+
+    def read(self, reader: _Reader, i: int | None, c: ModelConfig) -> np.ndarray:
+        """One layer's value in jaxpar's layout (experts stacked)."""
+        ws = [self.to_jax(reader.get(name), c) for name in self.names(i, c)]
+        return np.stack(ws) if self.experts else ws[0]
+
+    def write(self, value: np.ndarray, i: int | None, c: ModelConfig) -> dict[str, np.ndarray]:
+        """One layer's value as its HF tensors."""
+        ws = list(value) if self.experts else [value]
+        return {n: self.to_hf(w, c) for n, w in zip(self.names(i, c), ws, strict=True)}
 
 
 def _same(w: np.ndarray, _: ModelConfig) -> np.ndarray:
@@ -160,7 +186,7 @@ def _entries(c: ModelConfig) -> list[_Entry]:
         out.append(
             _Entry("lm_head.weight", ("head", "w_out"), lambda c: (c.vocab_size, c.d_model), _t, _t)
         )
-    return out
+    return hf_moe.entries(out, _Entry) if c.moe.enabled else out
 
 
 # ---- config.json ------------------------------------------------------------------------------
@@ -193,6 +219,8 @@ def model_config(directory: str | Path, name: str | None = None) -> ModelConfig:
     hf = read_config(directory)
     try:
         return _model_config(hf, directory, name)
+    except ConfigError:  # already one line naming the file (a ValueError too)
+        raise
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
         where = Path(directory) / "config.json"
         if isinstance(e, KeyError):
@@ -203,6 +231,8 @@ def model_config(directory: str | Path, name: str | None = None) -> ModelConfig:
 def _model_config(hf: dict[str, Any], directory: str | Path, name: str | None) -> ModelConfig:
     _check_supported(hf, directory)
     d, h = _count(hf, "hidden_size"), _count(hf, "num_attention_heads")
+    where = str(Path(directory) / "config.json")
+    moe = hf_moe.config_fields(hf, where) if hf.get("model_type") == hf_moe.MODEL_TYPE else {}
     return ModelConfig(
         name=name or Path(directory).name,
         n_layers=_count(hf, "num_hidden_layers"),
@@ -217,6 +247,7 @@ def _model_config(hf: dict[str, Any], directory: str | Path, name: str | None) -
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=_rope(hf)[0],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        **moe,
     )
 
 
@@ -230,8 +261,9 @@ def _count(hf: dict[str, Any], key: str) -> int:
 
 def _check_supported(hf: dict[str, Any], directory: str | Path) -> None:
     where = f"{Path(directory) / 'config.json'}"
+    kind = hf.get("model_type", "llama")
     checks = [
-        ("model_type", hf.get("model_type", "llama"), lambda v: v == "llama", "must be 'llama'"),
+        ("model_type", kind, lambda v: not hf_moe.refusal(v), hf_moe.refusal(kind)),
         ("hidden_act", hf.get("hidden_act", "silu"), lambda v: v == "silu", "must be 'silu'"),
         ("attention_bias", hf.get("attention_bias", False), lambda v: not v, "biases unsupported"),
         ("mlp_bias", hf.get("mlp_bias", False), lambda v: not v, "biases unsupported"),
@@ -254,6 +286,7 @@ def check_config(directory: str | Path, cfg: ModelConfig) -> None:
                 f"model.{'head_dim' if f == 'hd' else f}={b!r}: the Hugging Face config.json in "
                 f"{str(directory)!r} has {a!r}"
             )
+    hf_moe.check_config(theirs, cfg, str(directory))
 
 
 # ---- safetensors ------------------------------------------------------------------------------
@@ -394,16 +427,16 @@ def check(directory: str | Path, cfg: ModelConfig) -> _Reader:
     check_config(directory, cfg)
     reader = _Reader(directory)
     for e in _entries(cfg):
+        want = e.hf_shape(cfg)
         for i in range(cfg.n_layers) if e.stacked else [None]:
-            name = e.hf.format(i=i)
-            want = e.hf_shape(cfg)
-            if name not in reader.meta:
-                raise ConfigError(f"{name}: missing from the safetensors files in {directory}")
-            if reader.shape(name) != want:
-                raise ConfigError(
-                    f"{name}: shape {list(reader.shape(name))} does not match the model config "
-                    f"(expected {list(want)})"
-                )
+            for name in e.names(i, cfg):
+                if name not in reader.meta:
+                    raise ConfigError(f"{name}: missing from the safetensors files in {directory}")
+                if reader.shape(name) != want:
+                    raise ConfigError(
+                        f"{name}: shape {list(reader.shape(name))} does not match the model "
+                        f"config (expected {list(want)})"
+                    )
     return reader
 
 
@@ -423,12 +456,12 @@ def load(directory: str | Path, cfg: ModelConfig, shardings: Any = None) -> Para
 
         def block(index, e=e) -> np.ndarray:
             if not e.stacked:
-                return e.to_jax(reader.get(e.hf), cfg)[index]
+                return e.read(reader, None, cfg)[index]
             layers = range(*index[0].indices(cfg.n_layers))
             rest = index[1:]
-            return np.stack([e.to_jax(reader.get(e.hf.format(i=i)), cfg)[rest] for i in layers])
+            return np.stack([e.read(reader, i, cfg)[rest] for i in layers])
 
-        shape = e.to_jax(np.empty(e.hf_shape(cfg), np.float32), cfg).shape
+        shape = e.shape(cfg)
         if e.stacked:
             shape = (cfg.n_layers, *shape)
         sharding = _get(shardings, e.path) if shardings is not None else None
@@ -437,6 +470,8 @@ def load(directory: str | Path, cfg: ModelConfig, shardings: Any = None) -> Para
         else:
             value = jax.make_array_from_callback(shape, sharding, block)
         _set(params, e.path, value)
+    if cfg.moe.enabled:
+        hf_moe.add_bias(params, cfg, shardings)
     return params
 
 
@@ -449,8 +484,8 @@ def _to_host(x: Any) -> np.ndarray:
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """A ``LlamaForCausalLM`` config.json for ``cfg``."""
-    return {
+    """A ``LlamaForCausalLM`` (``MixtralForCausalLM`` for a MoE model) config.json for ``cfg``."""
+    out = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": cfg.d_model,
@@ -470,6 +505,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
+    return hf_moe.hf_config(cfg, out) if cfg.moe.enabled else out
 
 
 def export(params: Params, cfg: ModelConfig, directory: str | Path) -> Path | None:
@@ -483,14 +519,17 @@ def export(params: Params, cfg: ModelConfig, directory: str | Path) -> Path | No
 
     if cfg.mlp != "swiglu":
         raise ConfigError(f"model.mlp={cfg.mlp!r}: Hugging Face Llama export needs 'swiglu'")
+    if cfg.moe.enabled:
+        hf_moe.check_shape(cfg)
+        hf_moe.check_bias(_to_host(_get(params, hf_moe.BIAS)))
     tensors: dict[str, np.ndarray] = {}
     for e in _entries(cfg):
         value = _to_host(_get(params, e.path))
         if e.stacked:
             for i in range(cfg.n_layers):
-                tensors[e.hf.format(i=i)] = e.to_hf(value[i], cfg)
+                tensors.update(e.write(value[i], i, cfg))
         else:
-            tensors[e.hf] = e.to_hf(value, cfg)
+            tensors.update(e.write(value, None, cfg))
     if jax.process_index() != 0:
         return None
     import shutil

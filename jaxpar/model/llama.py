@@ -259,10 +259,14 @@ class Model:
         x_BxSxD: jax.Array,
         positions_S: jax.Array,
         attend: Attend | None = None,
+        moe: bool = False,
     ):
         """One decoder block on one layer's parameters (no leading layer axis); ``attend``
-        replaces the attention core (:data:`jaxpar.model.layers.Attend`)."""
-        return self._bind("block", layer_params)(x_BxSxD, positions_S, attend)
+        replaces the attention core (:data:`jaxpar.model.layers.Attend`); ``moe``: a MoE
+        block (``moe_layers/moe``), its statistics dropped."""
+        return self._bind("moe_block" if moe else "block", layer_params)(
+            x_BxSxD, positions_S, attend
+        )
 
     def blocks(
         self,
