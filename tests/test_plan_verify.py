@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import MODEL_YAML
 
 from jaxpar.errors import ConfigError
 from jaxpar.gpu import targets as T
@@ -19,18 +20,28 @@ LAYOUT = {"dp": 8, "tp": 1, "pp": 1, "sp": 1, "zero": 3, "microbatches": 1, "sch
           "virtual": 1, "microbatch_size": 1, "remat": "none", "offload": "none"}  # fmt: skip
 
 
-def _plan(*flags: str) -> subprocess.CompletedProcess:
+def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "jaxpar.cli", "plan", "--model", "tiny", "--mesh", "h100-8",
-           "--global-batch", "8", "--seq", "64", *flags]  # fmt: skip
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return env
 
 
-def test_verify_compiles_the_recommendation_for_the_pod():
+def _model(tmp_path) -> str:
+    path = tmp_path / "model.yaml"
+    path.write_text(MODEL_YAML)
+    return str(path)
+
+
+def _plan(tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "jaxpar.cli", "plan", "--model", _model(tmp_path), "--mesh",
+           "h100-8", "--global-batch", "8", "--seq", "64", *flags]  # fmt: skip
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_verify_compiles_the_recommendation_for_the_pod(tmp_path):
     if T.plugin() is None:
         pytest.fail("the jax CUDA plugin is missing: pip install -e '.[test]' installs it")
-    proc = _plan("--top", "1", "--verify", "1", "--json")
+    proc = _plan(tmp_path, "--top", "1", "--verify", "1", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     (row,) = out["verified"]
@@ -38,7 +49,7 @@ def test_verify_compiles_the_recommendation_for_the_pod():
     assert row["layout"] == out["layout"]  # the recommendation itself was compiled
     assert row["predicted_bytes"] == out["memory_per_device_bytes"]
     # XLA:GPU's per-device total of a real program: above the batch, far under the device
-    assert 1e6 < row["compiled_bytes"] < row["usable_bytes"]
+    assert 1e5 < row["compiled_bytes"] < row["usable_bytes"]
     assert row["ratio"] == pytest.approx(row["compiled_bytes"] / row["predicted_bytes"])
     assert row["fits"] is True and out["verified_pick"] == 1
     assert 0.0 <= row["exposed_share"] <= 1.0 and row["compile_s"] > 0
@@ -59,24 +70,24 @@ def test_verified_pick_skips_what_the_gpu_program_does_not_fit():
     assert "none of the 2 compiled layouts fits" in render(rows[:2])
 
 
-def test_verify_refuses_a_cpu_mesh_and_a_given_layout():
+def test_verify_refuses_a_cpu_mesh_and_a_given_layout(tmp_path):
     from jaxpar import config as C
     from jaxpar.gpu.verify import verify_ranked
 
     with pytest.raises(ConfigError, match="--verify: mesh 'cpu-8' is not a GPU pod"):
         verify_ranked(C.load("tiny", "cpu-8"), 1)
-    proc = _plan("--dp", "8", "--verify", "1")
+    proc = _plan(tmp_path, "--dp", "8", "--verify", "1")
     assert proc.returncode == 2 and "--verify: verifies the searched ranking" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-def test_compile_layout_auto_compiles_the_planners_pick():
+def test_compile_layout_auto_compiles_the_planners_pick(tmp_path):
     if T.plugin() is None:
         pytest.fail("the jax CUDA plugin is missing: pip install -e '.[test]' installs it")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "jaxpar.cli", "compile", "--model", "tiny", "--mesh", "h100-8",
-           "--global-batch", "8", "--seq-len", "64", "--layout", "auto", "--json"]  # fmt: skip
+    env = _env()
+    cmd = [sys.executable, "-m", "jaxpar.cli", "compile", "--model", _model(tmp_path), "--mesh",
+           "h100-8", "--global-batch", "8", "--seq-len", "64", "--layout", "auto",
+           "--json"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
