@@ -113,8 +113,13 @@ def _quiet_orphaned_tasks() -> None:
     """After a failed save, drop asyncio's "Task/Future exception was never retrieved" and
     "Task was destroyed but it is pending!" records: the save's other write tasks and futures
     fail the same way after orbax has raised the first error (or are left pending on its closed
-    loop), and asyncio logs each one when it is collected (at exit, ~15 lines). The one-line
-    :class:`CheckpointError` already says what failed."""
+    loop), and asyncio logs each one when it is collected (at exit, ~15 lines). Write
+    coroutines that the failed save never started are collected the same way and warn
+    ``coroutine '...' was never awaited`` (two lines, when the collector reaches them before
+    exit; timing-dependent). The one-line :class:`CheckpointError` already says what failed."""
+    warnings.filterwarnings(
+        "ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning
+    )
     log = logging.getLogger("asyncio")
     if any(getattr(f, "jaxpar_quiet", False) for f in log.filters):
         return

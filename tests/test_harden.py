@@ -481,7 +481,8 @@ def test_orphaned_write_tasks_after_a_failed_save_print_nothing():
     nothing else); one collected while the save is still unwinding is held back with orbax's
     records and dropped too, one logged by a save that succeeds comes out. CI once printed an
     orphaned *Future* the filter did not match (it knew only Tasks); a task left pending on the
-    closed loop is the third kind."""
+    closed loop is the third kind; a write coroutine the failed save never started (``coroutine
+    '...' was never awaited``, two lines, the collector's timing decides when) is the fourth."""
     code = (
         "import asyncio, gc, logging\n"
         "logging.basicConfig()\n"
@@ -500,13 +501,17 @@ def test_orphaned_write_tasks_after_a_failed_save_print_nothing():
         "    loop = asyncio.new_event_loop()\n"
         "    loop.create_future().set_exception(OSError(27, 'File too large')); loop.close()\n"
         "    gc.collect()\n"
-        "orphan(); orphan_future(); orphan_pending()\n"  # before: asyncio logs all three
+        "async def fragment(): pass\n"
+        "async def late_fragment(): pass\n"
+        "def unawaited(f):\n"
+        "    c = f(); del c; gc.collect()\n"
+        "orphan(); orphan_future(); orphan_pending(); unawaited(fragment)\n"  # before: all print
         "try:\n"
         "    with _held_logs():\n"
         "        orphan_future(); raise OSError(27, 'File too large')\n"  # during a failing save
         "except OSError:\n"
         "    _quiet_orphaned_tasks()\n"
-        "orphan(); orphan_future(); orphan_pending()\n"  # after: dropped
+        "orphan(); orphan_future(); orphan_pending(); unawaited(late_fragment)\n"  # after: none
         "logging.getLogger('asyncio').error('another asyncio error')\n"
         "with _held_logs():\n"
         "    logging.getLogger('asyncio').error('held, then let through')\n"
@@ -516,4 +521,6 @@ def test_orphaned_write_tasks_after_a_failed_save_print_nothing():
     assert p.stderr.count("Task exception was never retrieved") == 1, p.stderr
     assert p.stderr.count("Future exception was never retrieved") == 1, p.stderr
     assert p.stderr.count("Task was destroyed but it is pending!") == 1, p.stderr
+    assert p.stderr.count("coroutine 'fragment' was never awaited") == 1, p.stderr
+    assert "late_fragment" not in p.stderr, p.stderr
     assert "another asyncio error" in p.stderr and "held, then let through" in p.stderr
