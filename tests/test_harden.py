@@ -437,8 +437,8 @@ def test_sigterm_to_one_process_stops_all_at_one_step(tmp_path, make_cfg, model_
     and every step is in the metrics once."""
     steps, d = 12, tmp_path / "ck"
     cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--local", "2", "--devices-per-process",
-           "4", "--timeout", "300", "--", "train", "--model", str(model_yaml), "--dp", "4",
-           "--tp", "2", "--pp", "1", "--microbatches", "1", "--global-batch", "16",
+           "1", "--timeout", "300", "--", "train", "--devices", "2", "--model", str(model_yaml),
+           "--dp", "2", "--tp", "1", "--pp", "1", "--microbatches", "1", "--global-batch", "16",
            "--seq-len", "32", "--steps", str(steps), "--eval-every", "0", "--no-progress",
            "--data", "synthetic", "-o", "train.warmup_steps=2", "--checkpoint-dir", str(d),
            "--checkpoint-every", "1000", "--json"]  # fmt: skip
