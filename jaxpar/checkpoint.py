@@ -117,12 +117,12 @@ def _quiet_orphaned_tasks() -> None:
     coroutines that the failed save never started are collected the same way and warn
     ``coroutine '...' was never awaited`` (two lines, when the collector reaches them before
     exit; timing-dependent). The one-line :class:`CheckpointError` already says what failed."""
+    log = logging.getLogger("asyncio")
+    if any(getattr(f, "jaxpar_quiet", False) for f in log.filters):
+        return  # installed by an earlier failed save
     warnings.filterwarnings(
         "ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning
     )
-    log = logging.getLogger("asyncio")
-    if any(getattr(f, "jaxpar_quiet", False) for f in log.filters):
-        return
 
     class Orphans(logging.Filter):
         jaxpar_quiet = True
