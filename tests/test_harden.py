@@ -435,7 +435,9 @@ def test_sigterm_to_one_process_stops_all_at_one_step(tmp_path, make_cfg, model_
     """``jaxpar launch --local 2``, SIGTERM to process 1 only: both processes stop after the
     same step, checkpoint it and exit 0; the resumed run's losses equal an uninterrupted run
     and every step is in the metrics once."""
-    steps, d = 12, tmp_path / "ck"
+    # 60 steps: a step of this model takes milliseconds, and the agreed stop is a few steps
+    # after the signal; with 12 the run could end before it (CI once did: exit 0, no stop)
+    steps, d = 60, tmp_path / "ck"
     cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--local", "2", "--devices-per-process",
            "1", "--timeout", "300", "--", "train", "--devices", "2", "--model", str(model_yaml),
            "--dp", "2", "--tp", "1", "--pp", "1", "--microbatches", "1", "--global-batch", "16",
