@@ -139,6 +139,23 @@ def test_emit_flags_run_in_train_dry_run_for_every_ranked_layout(capsys, tmp_pat
     assert len(err.strip().splitlines()) == 1 and f"between 1 and {n}" in err
 
 
+def test_emit_flags_are_compile_flags_for_a_pod():
+    """``jaxpar compile`` takes what ``plan --emit-flags`` prints for a GPU pod (it once refused
+    ``--ep``) and builds the ranked layout from it, without compiling."""
+    import argparse
+
+    from jaxpar.commands import compile as compile_cmd
+
+    cfg = C.load("llama2-70b", "a100-64")
+    ranking = A.rank_layouts(cfg)
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    compile_cmd.add_arguments(parser)
+    for i in (1, 2, 3):
+        flags = A.train_flags(cfg, i, "llama2-70b", "a100-64", ranking)
+        got = compile_cmd.build_config(parser.parse_args(flags))
+        assert got.layout == ranking.ranked[i - 1].layout, (i, flags)
+
+
 def test_layout_auto_trains_on_the_cpu_mesh(capsys, tmp_path):
     model = tmp_path / "small.yaml"
     model.write_text(yaml.safe_dump(SMALL))

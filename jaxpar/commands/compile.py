@@ -16,8 +16,9 @@ import os
 
 HELP = "compile the train step for a GPU pod (no GPU needed): memory, collectives, overlap"
 
-# jaxpar train's flags that shape the compiled step (the rest concern running it).
-STEP_FLAGS = ("global_batch", "seq_len", "devices", "dp", "tp", "pp", "sp", "zero",
+# jaxpar train's flags that shape the compiled step (the rest concern running it); every flag
+# `jaxpar plan --emit-flags` prints is one (tests/test_planner_auto.py).
+STEP_FLAGS = ("global_batch", "seq_len", "devices", "dp", "tp", "pp", "sp", "zero", "ep",
               "microbatches", "schedule", "virtual", "pipeline_memory", "sp_mode", "remat",
               "offload", "compute_dtype")  # fmt: skip
 
