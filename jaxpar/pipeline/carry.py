@@ -158,6 +158,28 @@ def zeros(shapes) -> Leaves:
     return [jnp.zeros(s.shape, s.dtype) for s in shapes]
 
 
+def fresh_zeros(shapes: Any) -> Any:
+    """Zeros of a tree of shapes (``jax.ShapeDtypeStruct`` leaves; ``None`` stays ``None``)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def fresh(shapes: Any, **given: Any) -> Any:
+    """A phase's outputs (:class:`ForwardOut`/:class:`BackwardOut`) from their ``shapes``: the
+    fields in ``given``, zeros made here for the rest.
+
+    Called inside the branch that returns them, so the zeros are that branch's own. Zeros made
+    once outside the scan are loop-invariant operands of every switch instead: XLA:GPU
+    materialises them (a zero chunk gradient, stash, embedding and head gradient) and copies
+    them into the switch's outputs, one more gradient-sized set alive beside the accumulators
+    at the peak (llama3-8b tp 4 × pp 2, 1F1B over 8 micro-batches: 9.7 against 8.5 GiB).
+    """
+    out = {f.name: given.pop(f.name) if f.name in given else fresh_zeros(getattr(shapes, f.name))
+           for f in dataclasses.fields(shapes)}  # fmt: skip
+    if given:
+        raise TypeError(f"{type(shapes).__name__} has no field {sorted(given)[0]!r}")
+    return type(shapes)(**out)
+
+
 def accumulate(acc: Any, chunk: jax.Array, d: Any, v: int) -> Any:
     """Add this tick's chunk gradient (of its B, I, W or FB) to local chunk ``chunk``'s."""
     if v == 1:

@@ -105,30 +105,28 @@ class _Program:
         self.stage = Stage(model.pieces, self.chunk(0), self.msg0)
         leaves, self.tree = jax.tree.flatten(self.chunk(0))
         self.acc_shapes = [jax.eval_shape(r, x) for r, x in zip(model.reduce, leaves, strict=True)]
-        self.zero_head = jax.tree.map(jnp.zeros_like, params.head)
-        self.zero_embed = self._zero_embed() if self.train else None
-        train, head = self.train, tables.head_in_forward
-        self.f_out0 = ForwardOut(
-            y=self.msg0, loss=jnp.zeros((), jnp.float32),
-            stash=ops.zeros(self.stage.stash_shapes) if train else [],
-            taps=ops.zeros(self.stage.taps_shapes) if train else [],
-            cot=self.msg0 if self.n.cot else None,
-            d_head=self.zero_head if train and head else None,
+        self.embed_shapes = self._embed_grad_shapes() if self.train else None
+        # What each phase returns, as shapes: a branch's outputs are `fresh` values of these,
+        # the zeros made inside the branch (carry.fresh says why).
+        msg, loss = jax.ShapeDtypeStruct(x0.shape, x0.dtype), jax.ShapeDtypeStruct((), jnp.float32)
+        self.head_shapes = head = jax.eval_shape(lambda h: h, params.head) if self.train else None
+        train, fb = self.train, tables.has_fb
+        self.f_shapes = ForwardOut(
+            y=msg, loss=loss, stash=list(self.stage.stash_shapes) if train else [],
+            taps=list(self.stage.taps_shapes) if train else [], cot=msg if self.n.cot else None,
+            d_head=head if tables.head_in_forward else None,
         )  # fmt: skip
-        if train:
-            fb = tables.has_fb
-            self.b_out0 = BackwardOut(
-                dx=self.msg0, d_chunk=self._zero_chunk(), d_embed=self.zero_embed,
-                wpend=ops.zeros(self.stage.wpend_shapes), loss=self.f_out0.loss if fb else None,
-                d_head=self.zero_head if fb else None,
-            )  # fmt: skip
+        self.b_shapes = BackwardOut(
+            dx=msg, d_chunk=jax.tree.unflatten(self.tree, self.acc_shapes),
+            d_embed=self.embed_shapes, wpend=list(self.stage.wpend_shapes),
+            loss=loss if fb else None, d_head=head if fb else None,
+        ) if train else None  # fmt: skip
 
-    def _zero_embed(self) -> Any:
+    def _embed_grad_shapes(self) -> Any:
         def grad_of(e, t):
             return jax.vjp(lambda q: self.model.embed(q, t), e)[1](self.msg0)[0]
 
-        shapes = jax.eval_shape(grad_of, self.params.embed, self.tokens[0])
-        return jax.tree.map(jnp.zeros_like, shapes)
+        return jax.eval_shape(grad_of, self.params.embed, self.tokens[0])
 
     def chunk(self, c) -> Any:
         """Local chunk ``c``'s ``[Lc, ...]`` params."""
@@ -136,9 +134,6 @@ class _Program:
         if self.tables.schedule.v == 1:
             return jax.tree.map(lambda a: a[0], local)
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), local)
-
-    def _zero_chunk(self) -> Any:
-        return jax.tree.unflatten(self.tree, ops.zeros(self.acc_shapes))
 
     def reduce(self, d: Any, keep: tuple[bool, ...] | None = None) -> Any:
         """Per-micro-batch reduction of a chunk gradient; leaves outside ``keep`` are known
@@ -158,7 +153,7 @@ class _Program:
     # ---- forward phase ----------------------------------------------------------------------
 
     def f_idle(self, xs: TickIn, x_in: jax.Array) -> ForwardOut:
-        return self.f_out0
+        return ops.fresh(self.f_shapes)
 
     def f_fwd(self, xs: TickIn, x_in: jax.Array) -> ForwardOut:
         row, train = xs.row, self.train
@@ -167,11 +162,9 @@ class _Program:
         x_in = cond(s == 0, embed, lambda: x_in, self.w.embed)
         if train:
             y, stash, taps = self.stage.forward(self.chunk(row.f_chunk), x_in)
-            out = dataclasses.replace(self.f_out0, y=y, stash=stash, taps=taps)
+            out = ops.fresh(self.f_shapes, y=y, stash=stash, taps=taps)
         else:
-            out = dataclasses.replace(
-                self.f_out0, y=self.stage.apply(self.chunk(row.f_chunk), x_in)
-            )
+            out = ops.fresh(self.f_shapes, y=self.stage.apply(self.chunk(row.f_chunk), x_in))
         loss_of = self._loss_of(j)
 
         def at_head(y):
@@ -181,7 +174,8 @@ class _Program:
             return loss, d_head, dy
 
         def not_head(y):
-            return self.f_out0.loss, self.f_out0.d_head, (y * 0 if train else None)
+            d_head = ops.fresh_zeros(self.f_shapes.d_head)
+            return jnp.zeros((), jnp.float32), d_head, (y * 0 if train else None)
 
         if not self.tables.head_in_forward:  # training with FB on the last stage
             return out
@@ -194,7 +188,7 @@ class _Program:
     # ---- backward phase ---------------------------------------------------------------------
 
     def b_idle(self, xs: TickIn, ins: BackwardIn) -> BackwardOut:
-        return self.b_out0
+        return ops.fresh(self.b_shapes)
 
     def b_fb(self, xs: TickIn, ins: BackwardIn) -> BackwardOut:
         # The last stage's forward and full backward of one micro-batch in one tick (the
@@ -207,8 +201,8 @@ class _Program:
         loss, (d_chunk, d_head, dx) = jax.value_and_grad(fb_loss, argnums=(0, 1, 2))(
             self.chunk(row.f_chunk), self.params.head, ins.x
         )
-        return dataclasses.replace(self.b_out0, loss=loss, d_head=d_head, dx=dx,
-                                   d_chunk=self.reduce(d_chunk))  # fmt: skip
+        d_chunk = self.reduce(d_chunk)
+        return ops.fresh(self.b_shapes, loss=loss, d_head=d_head, dx=dx, d_chunk=d_chunk)
 
     def embed_grad(self, row: TickTable, dx: jax.Array) -> Any:
         # Stage 0's input cotangent is the embedding's: its gradient is taken here (ZeRO-3: the
@@ -218,25 +212,26 @@ class _Program:
             pullback = jax.vjp(lambda e: self.model.embed(e, tokens), self.params.embed)[1]
             return pullback(dx.astype(self.dtype))[0]
 
-        return cond(row.b_stage == 0, grad, lambda dx: self.zero_embed, self.w.embed_grad, dx)
+        none = lambda dx: ops.fresh_zeros(self.embed_shapes)  # noqa: E731
+        return cond(row.b_stage == 0, grad, none, self.w.embed_grad, dx)
 
     def b_bwd(self, xs: TickIn, ins: BackwardIn) -> BackwardOut:
         row, ins = xs.row, ops.read_slots(ins, xs.row)
         d, dx = self.stage.backward(self.chunk(row.b_chunk), ins.stash, ins.taps, ins.g)
-        return dataclasses.replace(self.b_out0, dx=dx, d_chunk=self.reduce(d),
-                                   d_embed=self.embed_grad(row, dx))  # fmt: skip
+        d_embed = self.embed_grad(row, dx)
+        return ops.fresh(self.b_shapes, dx=dx, d_chunk=self.reduce(d), d_embed=d_embed)
 
     def b_inp(self, xs: TickIn, ins: BackwardIn) -> BackwardOut:
         row, ins = xs.row, ops.read_slots(ins, xs.row)
         d_small, dx, wpend = self.stage.input_grads(self.chunk(row.b_chunk), ins.stash, ins.g)
         keep = self.stage.split.input_grad_mask
-        return dataclasses.replace(self.b_out0, dx=dx, d_chunk=self.reduce(d_small, keep),
-                                   wpend=wpend, d_embed=self.embed_grad(row, dx))  # fmt: skip
+        return ops.fresh(self.b_shapes, dx=dx, d_chunk=self.reduce(d_small, keep), wpend=wpend,
+                           d_embed=self.embed_grad(row, dx))  # fmt: skip
 
     def b_wgt(self, xs: TickIn, ins: BackwardIn) -> BackwardOut:
         row, ins = xs.row, ops.read_slots(ins, xs.row)
         d = self.stage.weight_grads(self.chunk(row.b_chunk), ins.taps, ins.wpend)
-        return dataclasses.replace(self.b_out0, d_chunk=self.reduce(d))
+        return ops.fresh(self.b_shapes, d_chunk=self.reduce(d))
 
     # ---- the tick ---------------------------------------------------------------------------
 
@@ -340,7 +335,7 @@ class _Program:
             taps=slots(n.taps, st.taps_shapes),
             wpend=slots(n.dys, st.wpend_shapes),
             acc=jax.tree.unflatten(self.tree, slots(self.tables.schedule.v, self.acc_shapes)),
-            acc_embed=self.zero_embed,
-            acc_head=self.zero_head,
+            acc_embed=ops.fresh_zeros(self.embed_shapes),
+            acc_head=ops.fresh_zeros(self.head_shapes),
             cot=slots(n.cot, [msg0])[0] if n.cot else None,
         )

@@ -7,6 +7,7 @@ explicit in/out shardings and donated state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,6 +52,21 @@ def make_optimizer(t: TrainConfig, logical_axes: Any) -> optax.GradientTransform
         optax.clip_by_global_norm(t.grad_clip),
         optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask),
     )
+
+
+def guarded(ok: jax.Array, update: Callable[[Any], Any], state: Any, device: Any) -> Any:
+    """``update(state)`` where ``ok``, else ``state`` unchanged, in the form that writes the
+    donated state in place on ``device``'s platform.
+
+    XLA:CPU writes a ``lax.cond``'s outputs into the donated buffers, but of a ``where`` over
+    the new state it copies every AdamW moment first (the select keeps the old moment live
+    beside the update writing its buffer). XLA:GPU does the reverse: the cond's outputs are
+    a second whole state in temporaries, copied into the donated buffers afterwards (llama3-8b
+    DDP over 8 H100s: 20 GiB more per device than the select, which fuses into the update).
+    """
+    if device.platform in ("gpu", "cuda"):
+        return jax.tree.map(lambda new, old: jnp.where(ok, new, old), update(state), state)
+    return jax.lax.cond(ok, update, lambda s: s, state)
 
 
 def host_memory_kind(devices) -> str | None:
@@ -208,9 +224,7 @@ class Trainer:
         sq = jax.tree.map(lambda g: jnp.sum(jnp.square(g)), grads)
         gnorm = jnp.sqrt(sum(jax.tree.leaves(sq)))
         # A non-finite loss or gradient never reaches the state: the update is skipped here and
-        # the loop applies the user's policy (skip or stop) from the flag. A cond, not a
-        # `where` over the new state: the select kept each old moment live beside the update
-        # writing its donated buffer, and copy insertion copied every moment first.
+        # the loop applies the user's policy (skip or stop) from the flag.
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
 
         def update(params_opt):
@@ -218,7 +232,7 @@ class Trainer:
             updates, new_o = self.tx.update(grads, o, p)
             return optax.apply_updates(p, updates), new_o
 
-        new_params, new_opt = jax.lax.cond(ok, update, lambda po: po, (params, opt))
+        new_params, new_opt = guarded(ok, update, (params, opt), self.mesh.devices.flat[0])
         new_state = {"params": new_params, "opt": new_opt, "step": state["step"] + 1}
         leaf_ok = jax.tree.map(jnp.isfinite, sq)
         lr = lr_schedule(self.cfg.train)(state["step"])
