@@ -202,3 +202,27 @@ def test_per_leaf_collectives_match_single_device(monkeypatch, zero):
     assert calls  # the per-leaf form ran
     assert abs(loss / ref_loss - 1) < 1e-5
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), g, ref)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_guarded_update_keeps_the_state_when_not_finite(platform):
+    """Both forms of the optimizer's non-finite guard (the select XLA:GPU gets, the cond XLA:CPU
+    gets), run on CPU: the update where the flag is true, the old state bit for bit where not."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpar.train.step import guarded
+
+    state = {"p": jnp.arange(4.0), "m": jnp.ones((2, 2))}
+    device = types.SimpleNamespace(platform=platform)
+
+    def update(s):
+        return jax.tree.map(lambda a: a * 2 + jnp.nan, s)  # a NaN that must not leak
+
+    for ok in (True, False):
+        got = jax.jit(lambda o, s: guarded(o, update, s, device))(jnp.asarray(ok), state)
+        want = update(state) if ok else state
+        jax.tree.map(np.testing.assert_array_equal, got, want)
