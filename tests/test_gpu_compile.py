@@ -130,19 +130,26 @@ def test_compile_3d_layout_on_h100_node(tmp_path):
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out["xla_flags"]["applied"]
 
 
-def test_ddp_state_is_not_copied_into_temporaries(tmp_path):
-    """DDP over 8 GPUs with the optimizer state most of the memory: the non-finite guard on
-    the update (a select on GPU targets) leaves no second params + moments in the temporaries,
-    so the compiled memory is within 10% of the planner's (a cond there made it 1.47x)."""
+@pytest.mark.parametrize("zero,d_model", [(0, 256), (3, 512)])
+def test_weight_heavy_model_memory_within_10_percent(tmp_path, zero, d_model):
+    """Models whose weights outweigh their activations, over 8 GPUs. DDP (d 256): the
+    non-finite guard on the update (a select on GPU targets) leaves no second params + moments
+    in the temporaries (a cond there made it 1.47x the planner). ZeRO-3 (d 512): the layer in
+    flight, its gathered bf16 weights and its fp32 gradient before the reduce-scatter, is in
+    the planner's figure (without it 1.57x)."""
     _plugin_or_fail()
     model = tmp_path / "wide.yaml"
     model.write_text(
-        MODEL_YAML.replace("d_model: 64", "d_model: 256").replace("d_ff: 128", "d_ff: 1024")
+        MODEL_YAML.replace("d_model: 64", f"d_model: {d_model}").replace(
+            "d_ff: 128", f"d_ff: {4 * d_model}"
+        )
     )
     out = _report(_compile(tmp_path, "--model", str(model), "--mesh", "h100-8", "--dp", "8",
-                           "--tp", "1", "--pp", "1", "--zero", "0", "--json"))  # fmt: skip
+                           "--tp", "1", "--pp", "1", "--zero", str(zero), "--json"))  # fmt: skip
     mem = out["memory"]
-    assert mem["temp"] < mem["argument"] and 0.9 < mem["ratio"] < 1.1, mem
+    assert 0.9 < mem["ratio"] < 1.1, mem
+    if zero == 0:
+        assert mem["temp"] < mem["argument"], mem
 
 
 def test_compile_zero3_saves_and_loads(tmp_path):

@@ -19,8 +19,8 @@ length. Under Megatron-SP the residual stream (block input, norms) is split over
   weights are residuals too (per layer): with ZeRO-3 under GSPMD they are the gathered ones.
 * ``selective`` (``checkpoint_dots``): the matmul outputs — fused QKV, the scores and the
   attention context (dense; the blockwise kernel is a custom_vjp without a dot of its own, so
-  its forward runs again in the backward), the row-parallel projection's partial sum (not split
-  over tp), gate/up — and the block input.
+  its forward runs again in the backward), the row-parallel projection's output (split over tp
+  under Megatron-SP, the full-width partial sum without), gate/up — and the block input.
 * ``full``: the block input only.
 * ``offload``: the matmul outputs go to host memory; nothing stays on the device.
 """
@@ -89,7 +89,7 @@ def block_residuals(
     else:
         kernel_c, kernel_f, kernel_b = scores, 2 * scores, scores
     if remat == "selective":
-        # fused QKV out, kernel, context, row-parallel partial sum (full d), gate/up (or up)
+        # fused QKV out, kernel, context, row-parallel output, gate/up (or up)
         qkv = q + 2 * kv
         # the blockwise kernel is a custom_vjp with no dot of its own: the policy keeps none of
         # its residuals nor its output (the backward re-runs its forward)
@@ -97,7 +97,10 @@ def block_residuals(
             core = (scores + (lay.sp - 1) * q if ring else kernel_c) + q
         else:
             core = 0.0
-        c = stream + qkv + core + model.d_model + (2 if swiglu else 1) * f
+        # the row-parallel projection's output is saved as the partitioned program holds it:
+        # reduce-scattered over tp under Megatron-SP (XLA:GPU's llama2-70b tp 8 + SP step
+        # stores bf16[80, b, s/8, d]), the full-width partial sum otherwise
+        c = stream + qkv + core + stream + (2 if swiglu else 1) * f
         return Residuals(c, 0.0, 0.0)
     if remat != "none":
         raise ValueError(f"layout.remat={remat!r}: must be none, selective, full or offload")

@@ -9,13 +9,14 @@ all call. Breakdown (bytes on the most loaded device; ``host`` apart):
   ``offload`` moves the optimizer (and with ``params`` the params) to host memory.
 * ``grads``: the gradient of one micro-batch before the data-parallel reduction (full local
   size: stages 0-2 reduce after the backward; ZeRO-3 reduce-scatters each layer's gradient
-  inside the backward, so a shard plus one layer) plus ``grad_accum`` (with micro-batches: full
-  at stages 0/1, a shard at 2/3) and ``update``: the optimizer's temporaries, a share of the
-  optimizer shard.
+  inside the backward, so a shard; a layer in flight is counted with the activations) plus
+  ``grad_accum`` (with micro-batches: full at stages 0/1, a shard at 2/3) and ``update``:
+  the optimizer's temporaries, a share of the optimizer shard.
 * ``activations``: the block's residuals (:mod:`jaxpar.planner.activations`) × layers per
   stage × stashes in flight (the schedule library's peak), plus while recomputing (remat
-  ``selective``/``full``) a share of one layer's un-rematerialised residuals, and ZeRO-3's
-  gathered weights of the layer being computed.
+  ``selective``/``full``) a share of one layer's un-rematerialised residuals, and under ZeRO-3
+  the embedding/head tables gathered whole and the layer sets in flight
+  (``Executor.zero3_layers``: gathered weights and unreduced gradient; XLA:GPU only).
 * ``head``: the loss's fp32 logits-sized buffers (``dense``), or a chunk of them.
 * ``pipeline``: the executor's message slots, the stash-sized sets a tick holds beyond the
   schedule's peak (``Executor.tick_stashes``), and the head/embedding gradient accumulators
@@ -150,6 +151,12 @@ def _activations(model, lay, shape, executor, pipe, pc, tokens) -> tuple[float, 
     if lay.zero == 3:
         # The embedding and head tables are gathered whole (their layers are not scanned).
         acts += wc * (pc.local - pc.blocks)
+        # Layer sets in flight (Executor.zero3_layers): XLA:GPU's pipelined all-gather and
+        # reduce-scatter carry one layer's gathered weights (compute dtype) and unreduced
+        # gradient (reduce dtype) across the layer loop — bf16[dp, w/dp] and f32[dp, w/dp]
+        # loop state in the llama2-70b dp 64 program.
+        wr = DTYPE_BYTES[lay.reduce_dtype]
+        acts += executor.zero3_layers * (wc + wr) * pc.blocks / max(layers, 1)
 
     return acts, per_layer, host
 

@@ -67,6 +67,12 @@ class Executor:
     * ``tick_stashes``: stash-sized residual sets a tick holds beyond the schedule's peak (the
       backward's slot read out of the buffer and its working set); calibrated on one pipeline
       layout (``scripts/bench_planner_memory.py``).
+    * ``zero3_layers``: ZeRO-3 layer sets (one layer's all-gathered weights in the compute
+      dtype and its gradient before the reduce-scatter in the reduce dtype) alive at the
+      memory peak. XLA:CPU: 0 (the ZeRO-3 rows of ``scripts/bench_planner_memory.py`` are
+      within 3% without it). XLA:GPU with the mesh files' pipelined all-gather/reduce-scatter:
+      1 — the layer loop carries the next layer's gathered weights and the previous layer's
+      unreduced gradient (:func:`for_target`).
     """
 
     name: str = "jaxpar"
@@ -88,6 +94,7 @@ class Executor:
     tick_stashes: float = 1.0
     selective_reruns_kernel: bool = False
     follows_model: bool = False
+    zero3_layers: float = 0.0
 
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""
@@ -113,3 +120,55 @@ def for_model(model, executor: Executor = JAXPAR) -> Executor:
         return executor
     attention = "dense" if model.attention == "dense" else "blockwise"
     return executor.with_(attention=attention, loss="chunked", loss_chunk=model.loss_chunk)
+
+
+# XLA:GPU flags that make the layer loop carry a ZeRO-3 layer set across iterations.
+PIPELINED_COLLECTIVES = (
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+)
+
+
+def for_target(hw, executor: Executor = JAXPAR) -> Executor:
+    """``executor`` as XLA compiles jaxpar's step for ``hw`` (a
+    :class:`~jaxpar.config.HardwareConfig`): on a GPU whose ``xla_flags`` pipeline the
+    all-gather or reduce-scatter, ``zero3_layers`` = 1 (a llama2-70b dp 64 ZeRO-3 step on
+    a100-64 compiles to 1.01x the planner with it, 1.08x without; a 4-layer d 512 model over
+    h100-8 1.06x and 1.57x, ``tests/test_gpu_compile.py``). Published frameworks' executors
+    (not ``follows_model``) are returned unchanged."""
+    if not executor.follows_model or hw.platform != "gpu":
+        return executor
+    pipelined = any(f in (hw.xla_flags or ()) for f in PIPELINED_COLLECTIVES)
+    return executor.with_(zero3_layers=1.0 if pipelined else executor.zero3_layers)
+
+
+# XLA:GPU's latency-hiding scheduler plans for SCHEDULER_BASE of the device's memory less the
+# program's arguments and outputs, times the slop factor (GetSchedulerMemoryLimit in
+# xla/service/gpu/gpu_hlo_schedule.cc; --xla_gpu_memory_limit_slop_factor, default 95). Past
+# that limit it schedules for memory and overlaps nothing: the llama2-70b ZeRO-3 steps on
+# a100-64 whose temporaries exceed it mark 98-99% of their collective bytes is_sync, those
+# under it 3-4%.
+SCHEDULER_BASE = 0.80
+SCHEDULER_SLOP = 95
+
+
+def scheduler_limit(hw, io_bytes: float) -> float:
+    """Bytes of temporaries XLA:GPU's scheduler allows itself on ``hw`` beside ``io_bytes``
+    of arguments and (unaliased) outputs."""
+    slop = SCHEDULER_SLOP
+    for flag in hw.xla_flags or ():
+        if flag.startswith("--xla_gpu_memory_limit_slop_factor="):
+            slop = int(flag.split("=", 1)[1])
+    return max(0.0, (SCHEDULER_BASE * hw.device_memory_bytes - io_bytes) * slop / 100)
+
+
+def memory_pressure(hw, mem: dict[str, float]) -> tuple[float, float] | None:
+    """(temporaries, the scheduler's limit) when a GPU program's temporaries exceed the limit
+    of :func:`scheduler_limit`, else None. ``mem`` is :func:`jaxpar.planner.footprint.memory`'s
+    breakdown: the arguments are the batch, params and optimizer state (donated, so the
+    outputs alias them)."""
+    if hw.platform != "gpu":
+        return None
+    io = mem["batch"] + mem["params"] + mem["optimizer"]
+    temps, limit = mem["total"] - io, scheduler_limit(hw, io)
+    return (temps, limit) if temps > limit else None

@@ -33,7 +33,7 @@ from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.errors import ConfigError
 from jaxpar.planner import footprint as M
 from jaxpar.planner.cost import Cost, step_cost
-from jaxpar.planner.frameworks import JAXPAR, Executor, for_model
+from jaxpar.planner.frameworks import JAXPAR, Executor, for_model, for_target, memory_pressure
 
 HEADROOM = 0.92  # share of device memory a layout may use (runtime, fragmentation, NCCL buffers)
 MAX_MB_TOKENS = 65536  # past this many tokens per micro-batch, matmul efficiency is saturated
@@ -113,10 +113,18 @@ def evaluate(
     mem: dict[str, float] | None = None,
 ) -> Candidate:
     """Memory and time of one layout (assumed valid: see :func:`runnable`)."""
-    executor = for_model(model, executor)
+    executor = for_target(hw, for_model(model, executor))
     mem = mem or M.memory(model, lay, shape, executor)
+    pressure = memory_pressure(hw, mem) if executor.follows_model else None
+    if pressure:  # XLA:GPU schedules for memory: no data-parallel call hides
+        executor = executor.with_(overlap_dp=0.0)
     cost = step_cost(model, hw, lay, shape, executor, mem["host"])
     flags = list(cost.flags)
+    if pressure:
+        flags.append(
+            f"XLA:GPU's scheduler under memory pressure: temporaries {pressure[0] / 2**30:.1f} "
+            f"GiB over its {pressure[1] / 2**30:.1f} GiB limit, so no collective is overlapped"
+        )
     if lay.pp > 1 and lay.microbatches < 4 * lay.pp:
         flags.append(
             f"few micro-batches for the schedule: m={lay.microbatches} < 4·pp={4 * lay.pp}"
@@ -171,6 +179,7 @@ def _leanest(model, hw, shape, tp, sp, pp, dp, n, ep=1) -> tuple[LayoutConfig, d
     allowed), or None when no variant of it runs."""
     best = None
     per_dp = shape.global_batch // dp if shape.global_batch % dp == 0 else 0
+    executor = for_target(hw)
     for sp_mode in ("ulysses", "ring") if sp > 1 else ("ulysses",):
         for offload in ("params", "optimizer", "none"):
             for m in sorted({per_dp, 1} - {0}, reverse=True):
@@ -181,7 +190,7 @@ def _leanest(model, hw, shape, tp, sp, pp, dp, n, ep=1) -> tuple[LayoutConfig, d
                                       sp_mode=sp_mode, ep=ep)  # fmt: skip
                     if not runnable(model, lay, shape, n):
                         continue
-                    mem = M.memory(model, lay, shape)
+                    mem = M.memory(model, lay, shape, executor)
                     if best is None or mem["total"] < best[1]["total"]:
                         best = (lay, mem)
                     break
@@ -227,6 +236,7 @@ def _split_candidates(model, hw, shape, n, split, counter) -> Iterator[Candidate
 
 
 def _first_fitting(model, hw, shape, n, tp, sp, pp, dp, kw, counter) -> Iterator[Candidate]:
+    executor = for_target(hw)
     for offload in ("none", "optimizer", "params"):
         for remat in REMATS:
             lay = base_layout(hw, tp, sp, pp, dp, remat=remat, offload=offload, **kw)
@@ -234,7 +244,7 @@ def _first_fitting(model, hw, shape, n, tp, sp, pp, dp, kw, counter) -> Iterator
                 counter["refused"] += 1
                 continue
             counter["costed"] += 1
-            mem = M.memory(model, lay, shape)
+            mem = M.memory(model, lay, shape, executor)
             if mem["total"] > usable(hw):
                 continue  # memory first: the time terms only for layouts that fit
             yield evaluate(model, hw, lay, shape, mem=mem)
