@@ -7,8 +7,10 @@ bytes with no matmul or attention kernel scheduled between start and done (``exp
 and the share marked ``is_sync``, the attention implementation found in the program, compile
 time. Rows:
 
-* llama2-70b on a100-64: the mesh file's production layout, and the planner's pick (``jaxpar
-  plan``: ZeRO-3 over dp 64, selective recompute);
+* llama2-70b on a100-64: the mesh file's production layout, the planner's pick (``jaxpar
+  plan``: dp 32 x tp 2 + SP, ZeRO-3, selective recompute, two micro-batches), the same with
+  one micro-batch (past XLA:GPU's scheduler memory limit), the former pick (ZeRO-3 over dp 64)
+  and the rule of thumb (dp 4 x tp 8 + SP x pp 2, 1F1B, ZeRO-1);
 * llama3-8b on h100-8 at 8 × 4096 tokens: DDP, ZeRO-1/2/3, tp 8 + SP, pp 2 × tp 4, Ulysses sp 8;
 * every schedule at pp 4 × dp 2 on one 8-GPU node (llama3-8b, 16 × 2048 tokens, 8 micro-batches).
 
@@ -33,8 +35,21 @@ PP4 = ("--global-batch", "16", "--seq-len", "2048", "--pp", "4", "--dp", "2", "-
        "--zero", "1", "--microbatches", "8")  # fmt: skip
 ROWS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "70b-production": ("llama2-70b", "a100-64", ()),
-    "70b-planner": ("llama2-70b", "a100-64", ("--dp", "64", "--tp", "1", "--pp", "1", "--zero",
-                                              "3", "--remat", "selective", "--microbatches", "1")),
+    "70b-planner": ("llama2-70b", "a100-64", ("--dp", "32", "--tp", "2", "--sequence-parallel",
+                                              "--pp", "1", "--zero", "3", "--remat", "selective",
+                                              "--microbatches", "2")),
+    "70b-planner-1mb": ("llama2-70b", "a100-64", ("--dp", "32", "--tp", "2",
+                                                  "--sequence-parallel", "--pp", "1", "--zero",
+                                                  "3", "--remat", "selective", "--microbatches",
+                                                  "1")),
+    "70b-dp64-zero3": ("llama2-70b", "a100-64", ("--dp", "64", "--tp", "1", "--pp", "1",
+                                                 "--zero", "3", "--remat", "selective",
+                                                 "--microbatches", "1")),
+    "70b-rule-of-thumb": ("llama2-70b", "a100-64", ("--dp", "4", "--tp", "8",
+                                                    "--sequence-parallel", "--pp", "2",
+                                                    "--schedule", "1f1b", "--virtual", "1",
+                                                    "--microbatches", "16", "--zero", "1",
+                                                    "--remat", "selective")),
     "8b-ddp": ("llama3-8b", "h100-8", (*B8, "--dp", "8", "--tp", "1", "--zero", "0")),
     "8b-zero1": ("llama3-8b", "h100-8", (*B8, "--dp", "8", "--tp", "1", "--zero", "1")),
     "8b-zero2": ("llama3-8b", "h100-8", (*B8, "--dp", "8", "--tp", "1", "--zero", "2")),
