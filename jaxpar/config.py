@@ -35,6 +35,7 @@ ON_NONFINITE = ("skip", "stop")
 PLATFORMS = ("cpu", "gpu", "tpu")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # token files (.bin)
 ROUTERS = ("softmax", "sigmoid")  # MoE router scores: Mixtral / Qwen (softmax), DeepSeek-V3
+DISPATCHES = ("auto", "padded", "ragged")  # MoE token dispatch (jaxpar.model.moe, .ragged)
 
 
 @dataclass
@@ -60,6 +61,10 @@ class MoeConfig:
     capacity_factor: float = 0.0
     bias_rate: float = 1e-3  # auxiliary-loss-free balancing step (0 disables the bias rule)
     aux_loss: float = 0.0  # Switch-style load-balancing loss coefficient (0: none)
+    # DISPATCHES: the padded [E, B·C, D] buffer (every platform), or the ragged rows sorted by
+    # expert (ragged all-to-all + grouped matmul; the exchange needs XLA:GPU); auto: ragged on
+    # GPU targets, padded elsewhere. Both route, drop and compute the same values.
+    dispatch: str = "auto"
 
     @property
     def enabled(self) -> bool:

@@ -21,6 +21,7 @@ from jaxpar import typed
 from jaxpar.config import (
     ATTENTION,
     AXES,
+    DISPATCHES,
     DTYPES,
     OFFLOAD,
     ON_NONFINITE,
@@ -155,6 +156,7 @@ def _check_moe(m: ModelConfig) -> None:
     _at_least_0("model.moe.shared_experts", e.shared_experts)
     _at_least_0("model.moe.expert_ff", e.expert_ff, " (0: model.d_ff)")
     _one_of("model.moe.router", e.router, ROUTERS)
+    _one_of("model.moe.dispatch", e.dispatch, DISPATCHES)
     _number("model.moe.route_scale", e.route_scale, 0)
     for name in ("bias_rate", "aux_loss"):
         _number(f"model.moe.{name}", getattr(e, name), 0, lo_open=False)

@@ -12,6 +12,8 @@ time. Rows:
   one micro-batch (past XLA:GPU's scheduler memory limit), the former pick (ZeRO-3 over dp 64)
   and the rule of thumb (dp 4 x tp 8 + SP x pp 2, 1F1B, ZeRO-1);
 * llama3-8b on h100-8 at 8 × 4096 tokens: DDP, ZeRO-1/2/3, tp 8 + SP, pp 2 × tp 4, Ulysses sp 8;
+* mixtral-8x7b on h100-8 at 16 × 8192 tokens, dp 8 ZeRO-3, full recompute, no offload (host
+  offload does not compile deviceless): ep 1, and ep 2 with the padded and the ragged dispatch;
 * every schedule at pp 4 × dp 2 on one 8-GPU node (llama3-8b, 16 × 2048 tokens, 8 micro-batches).
 
 Needs the jax CUDA plugin (``pip install -e '.[gpu-aot]'``). Takes about a minute a row on two
@@ -31,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 B8 = ("--global-batch", "8", "--seq-len", "4096")
+MIX = ("--global-batch", "16", "--seq-len", "8192", "--dp", "8", "--tp", "1", "--pp", "1",
+       "--zero", "3", "--remat", "full", "--offload", "none")  # fmt: skip
 PP4 = ("--global-batch", "16", "--seq-len", "2048", "--pp", "4", "--dp", "2", "--tp", "1",
        "--zero", "1", "--microbatches", "8")  # fmt: skip
 ROWS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -58,6 +62,11 @@ ROWS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "8b-pp2-tp4": ("llama3-8b", "h100-8", (*B8, "--dp", "1", "--tp", "4", "--pp", "2",
                                            "--microbatches", "8")),
     "8b-ulysses-sp8": ("llama3-8b", "h100-8", (*B8, "--dp", "1", "--tp", "1", "--sp", "8")),
+    "moe-mixtral-ep1": ("mixtral-8x7b", "h100-8", MIX),
+    "moe-mixtral-ep2-padded": ("mixtral-8x7b", "h100-8", (*MIX, "--ep", "2", "-o",
+                                                          "model.moe.dispatch=padded")),
+    "moe-mixtral-ep2-ragged": ("mixtral-8x7b", "h100-8", (*MIX, "--ep", "2", "-o",
+                                                          "model.moe.dispatch=ragged")),
     **{
         f"pp4-{s}": ("llama3-8b", "h100-8", (*PP4, "--schedule", s, "--virtual", str(v)))
         for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2),

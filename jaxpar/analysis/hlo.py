@@ -10,6 +10,9 @@ Definitions (``size`` is per device, per execution, from the HLO shapes; ``n`` t
 * all-gather: ``bytes`` = output size (n · operand); ``wire_bytes`` = (n−1)/n · size;
 * reduce-scatter: ``bytes`` = operand (input) size; ``wire_bytes`` = (n−1)/n · size;
 * all-to-all: ``bytes`` = operand size (all pieces); ``wire_bytes`` = (n−1)/n · size;
+* ragged-all-to-all: ``bytes`` = the send buffer's size (operand 0; the offsets, sizes and
+  the output buffer it updates are not traffic), the most it can move — what it does move is
+  decided at run time; ``wire_bytes`` = (n−1)/n · size, as a balanced exchange;
 * collective-permute: ``bytes`` = operand size; ``wire_bytes`` = size · (pairs with
   source ≠ target) / partitions.
 
@@ -56,7 +59,10 @@ from jaxpar.analysis.hlo_text import (
     split_top,
 )
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = (
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+    "collective-permute",
+)  # fmt: skip
 
 
 @dataclass
@@ -191,7 +197,7 @@ def collective_bytes(compiled_or_hlo_text: Any, mesh: Any) -> CollectiveReport:
             else:
                 groups = replica_groups(ins.attrs, n_parts)
                 n = max(len(g) for g in groups)
-                size = sum(opnd)
+                size = opnd[0] if kind == "ragged-all-to-all" and opnd else sum(opnd)
                 if kind == "all-gather":
                     size *= n
                 ring = (n - 1) / n

@@ -22,6 +22,7 @@ def theory(
     params: float | None = None,
     seq: int = 2048,
     microbatch_size: int = 1,
+    platform: str = "gpu",
 ) -> dict[str, Any]:
     """Per-device bytes: ZeRO convention at the top level, jaxpar's compiled step under
     ``stored`` (and its whole breakdown under ``memory_breakdown_bytes``).
@@ -64,7 +65,7 @@ def theory(
     mem = memory(model, layout, Shape(batch, seq))
     out["activations_bytes"] = mem["activations"]
     wc = T.DTYPE_BYTES[layout.compute_dtype]
-    out["moe"] = moe_report(model, layout, microbatch_size, seq, wc) or None
+    out["moe"] = moe_report(model, layout, microbatch_size, seq, wc, platform) or None
     out["memory_per_device_bytes"] = mem["total"]
     out["memory_breakdown_bytes"] = {k: v for k, v in mem.items() if k != "total"}
     states = mem["params"] + mem["grads"] + mem["optimizer"]
@@ -103,7 +104,7 @@ def comm_report(compiled: Any, mesh: Any) -> dict[str, Any]:
     dp = dp_axes_of(mesh)
     # the MoE dispatch's all-to-all over ep is not the data-parallel reduction
     red = [s for (kind, ax), s in rep.stats.items()
-           if ax and set(ax) <= dp and kind != "all-to-all"]  # fmt: skip
+           if ax and set(ax) <= dp and "all-to-all" not in kind]  # fmt: skip
     wire = sum(s.wire_bytes for s in red)
     held = sum(s.bytes for s in red)
     out["dp_wire_bytes"] = wire

@@ -90,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         V.validate(cfg)
         out = theory(
-            cfg.layout, cfg.model, seq=cfg.train.seq_len, microbatch_size=args.microbatch_size
-        )
+            cfg.layout, cfg.model, seq=cfg.train.seq_len, microbatch_size=args.microbatch_size,
+            platform=cfg.mesh.hardware.platform,
+        )  # fmt: skip
     if args.measure:
         from jaxpar.devices import simulate_cpu_devices
 

@@ -25,8 +25,9 @@ row, first choices before second choices, then by position (GShard's priority); 
 **Dispatch** is a padded buffer ``[E, B·C, D]``: each kept assignment scattered to its
 expert's slot, the experts applied as batched einsums (a grouped matmul over equal groups),
 the outputs gathered back and summed with the gates. XLA:CPU implements no
-``ragged-all-to-all``, so the padded form is the one path (on GPU a ragged all-to-all and
-``lax.ragged_dot`` would move and multiply only the ``k·B·S`` real rows; not built).
+``ragged-all-to-all``, so this padded form is the CPU path; on GPU targets
+(``model.moe.dispatch`` auto) :mod:`jaxpar.model.ragged` moves and multiplies only the
+``k·B·S`` kept rows over ``ep`` (a ragged all-to-all), with the same result.
 
 **Expert parallelism: folded onto dp, not a fifth mesh axis.** ``layout.ep`` divides
 ``layout.dp``; the mesh splits ``dp`` into ``edp × ep`` exactly as hybrid sharding splits it
@@ -59,6 +60,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig, MoeConfig
+from jaxpar.model import ragged
+from jaxpar.model.attention import target
 from jaxpar.model.layers import MLP
 from jaxpar.model.names import weight
 from jaxpar.sharding import active_rules, constrain, use_rules
@@ -232,7 +235,10 @@ class MoE(nnx.Module):
         r = route(cfg, logits, self.bias[...], c)
         ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
         parallel, manual = _ep_state()
-        fn = lambda x, sl, g, w: routed(x, sl, g, w, cfg.moe.experts, c, parallel)  # noqa: E731
+        if ragged.chosen(cfg.moe, target()[1], parallel):
+            fn = lambda x, sl, g, w: ragged.routed(x, sl, g, w, _experts, cfg.moe.experts, c)  # noqa: E731
+        else:
+            fn = lambda x, sl, g, w: routed(x, sl, g, w, cfg.moe.experts, c, parallel)  # noqa: E731
         if parallel and not manual:
             y = _in_region(fn, x_BxSxD, r.slot_BxSxK, r.gate_BxSxK, ws)
         else:

@@ -155,8 +155,8 @@ def pp_term(model, hw, lay, shape, sends: int, tick: float, overlap: bool) -> Co
 def ep_term(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape) -> CommTerm:
     """The MoE all-to-alls over ep of one step (module docstring), all exposed."""
     wc = DTYPE_BYTES[lay.compute_dtype]
-    fig = MOE.figures(model, lay, shape.microbatch_size(lay) or 1, shape.seq, wc)
-    buffer = fig.slots * model.d_model * wc
+    fig = MOE.figures(model, lay, shape.microbatch_size(lay) or 1, shape.seq, wc, hw.platform)
+    buffer = fig.moved * model.d_model * wc
     calls = round(fig.a2a_bytes / buffer) * model.moe_layers() * lay.microbatches
     stride = lay.sp * lay.tp
     wire = buffer * T.ring_factor(lay.ep)  # a tiled all-to-all keeps 1/ep, sends the rest

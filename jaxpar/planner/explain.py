@@ -49,17 +49,17 @@ def summary(c: Candidate, model: ModelConfig, hw: HardwareConfig, shape: M.Shape
         "communication": [t.to_dict() for t in c.cost.comm if t.calls],
         "flags": list(c.flags),
         # MoE: total and active parameters, the dispatch buffer and its all-to-all (else null)
-        "moe": _moe(c, model, shape),
+        "moe": _moe(c, model, shape, hw.platform),
     }
 
 
-def _moe(c: Candidate, model: ModelConfig, shape: M.Shape) -> dict | None:
+def _moe(c: Candidate, model: ModelConfig, shape: M.Shape, platform: str) -> dict | None:
     from jaxpar.analysis.theory import DTYPE_BYTES
     from jaxpar.planner import moe as MOE
 
     rows = shape.microbatch_size(c.layout) or 1
     wc = DTYPE_BYTES[c.layout.compute_dtype]
-    return MOE.report(model, c.layout, rows, shape.seq, wc) or None
+    return MOE.report(model, c.layout, rows, shape.seq, wc, platform) or None
 
 
 def _pipeline(c: Candidate) -> dict | None:

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import sharding as shd
 from jaxpar.config import RunConfig, TrainConfig
 from jaxpar.errors import ConfigError
-from jaxpar.model import Model
+from jaxpar.model import Model, ragged
 from jaxpar.model.moe import balance
 from jaxpar.pipeline.rest import STAGE_AXIS, RestLayout
 from jaxpar.train.grads import GradContext, loss_grads_stats, mean_loss, microbatch_split
@@ -76,12 +76,14 @@ def host_memory_kind(devices) -> str | None:
 
 
 def check_platform(cfg: RunConfig, devices) -> None:
-    """Refuse host offload on a platform without a ``pinned_host`` memory kind (before
-    compiling)."""
+    """Refuse, before compiling, host offload on a platform without a ``pinned_host`` memory
+    kind and a ragged MoE exchange where XLA has no ragged all-to-all."""
     lay = cfg.layout
+    platform = devices[0].platform
+    if cfg.model.moe.enabled:
+        ragged.check(cfg.model.moe, lay.ep, platform)
     if host_memory_kind(devices) is not None:
         return
-    platform = devices[0].platform
     for name, value in (("offload", lay.offload), ("remat", lay.remat)):
         if value not in ("none", "full", "selective"):
             raise ConfigError(
