@@ -36,6 +36,7 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # token files (.bin)
 ROUTERS = ("softmax", "sigmoid")  # MoE router scores: Mixtral / Qwen (softmax), DeepSeek-V3
 DISPATCHES = ("auto", "padded", "ragged")  # MoE token dispatch (jaxpar.model.moe, .ragged)
+GPU_PLATFORMS = ("gpu", "cuda")  # platforms whose XLA compiles a ragged all-to-all
 
 
 @dataclass
@@ -62,9 +63,17 @@ class MoeConfig:
     bias_rate: float = 1e-3  # auxiliary-loss-free balancing step (0 disables the bias rule)
     aux_loss: float = 0.0  # Switch-style load-balancing loss coefficient (0: none)
     # DISPATCHES: the padded [E, B·C, D] buffer (every platform), or the ragged rows sorted by
-    # expert (ragged all-to-all + grouped matmul; the exchange needs XLA:GPU); auto: ragged on
-    # GPU targets, padded elsewhere. Both route, drop and compute the same values.
+    # expert (a ragged all-to-all; the exchange needs XLA:GPU); auto: ragged on GPU targets,
+    # padded elsewhere. Both route, drop and compute the same values.
     dispatch: str = "auto"
+
+    def ragged(self, platform: str, ep: int) -> bool:
+        """Whether tokens are dispatched ragged on ``platform`` with ``ep`` expert-parallel
+        ranks: the one rule the trainer and the planner share (``auto``: on GPU targets;
+        with ``ep = 1`` there is no exchange and nothing is ragged)."""
+        if ep <= 1:
+            return False
+        return self.dispatch == "ragged" or (self.dispatch == "auto" and platform in GPU_PLATFORMS)
 
     @property
     def enabled(self) -> bool:

@@ -52,7 +52,7 @@ def emulated_ragged_all_to_all(
 def emulated(monkeypatch):
     """The ragged exchange on CPU: the emulation in the op's place, the platform check off."""
     monkeypatch.setattr(ragged, "ragged_all_to_all", emulated_ragged_all_to_all)
-    monkeypatch.setattr(ragged, "GPU_PLATFORMS", ("gpu", "cuda", "cpu"))
+    monkeypatch.setattr(C, "GPU_PLATFORMS", ("gpu", "cuda", "cpu"))
 
 
 def _ragged(**kw):
@@ -116,8 +116,8 @@ def test_ragged_exchange_refused_on_cpu():
     cfg = moe_config(dp=2, ep=2)
     S.check_platform(cfg, jax.devices()[:2])
     moe = cfg.model.moe
-    assert not ragged.chosen(moe, "cpu", True) and ragged.chosen(moe, "gpu", True)
-    assert not ragged.chosen(moe, "gpu", False)  # no exchange, nothing ragged: padded
+    assert not moe.ragged("cpu", 2) and moe.ragged("gpu", 2) and moe.ragged("cuda", 2)
+    assert not moe.ragged("gpu", 1)  # no exchange, nothing ragged: padded
 
 
 def test_receive_buffer_bound():

@@ -235,7 +235,8 @@ class MoE(nnx.Module):
         r = route(cfg, logits, self.bias[...], c)
         ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
         parallel, manual = _ep_state()
-        if ragged.chosen(cfg.moe, target()[1], parallel):
+        ep = jax.sharding.get_abstract_mesh().shape[EP_AXIS] if parallel else 1
+        if cfg.moe.ragged(target()[1], ep):
             fn = lambda x, sl, g, w: ragged.routed(x, sl, g, w, _experts, cfg.moe.experts, c)  # noqa: E731
         else:
             fn = lambda x, sl, g, w: routed(x, sl, g, w, cfg.moe.experts, c, parallel)  # noqa: E731

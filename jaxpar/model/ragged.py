@@ -30,8 +30,8 @@ swapped (JAX's rule), so an expert's cotangents reach its owner as in the padded
 an exchange (``ep = 1``) there is nothing ragged to send and the padded path runs.
 
 XLA:CPU has no ``ragged-all-to-all`` (jax-ml/jax#34755), so this path is for GPU targets
-(``model.moe.dispatch = auto`` picks it there, :func:`chosen`); forced on CPU devices it is
-refused before compiling (:func:`check`).
+(``model.moe.dispatch = auto`` picks it there, :meth:`MoeConfig.ragged`); forced on CPU
+devices it is refused before compiling (:func:`check`).
 """
 
 from __future__ import annotations
@@ -39,30 +39,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpar import config
 from jaxpar.config import MoeConfig
 from jaxpar.errors import ConfigError
 
 EP_AXIS = "ep"
-GPU_PLATFORMS = ("gpu", "cuda")
 
 # The collective, as a module attribute: tests run the path on CPU with an all-gather
 # emulation of the op's documented semantics in its place.
 ragged_all_to_all = jax.lax.ragged_all_to_all
 
 
-def chosen(moe: MoeConfig, platform: str, ep: bool) -> bool:
-    """Whether ``moe`` dispatches ragged on ``platform`` (``auto``: on GPU targets), with an
-    exchange (``ep``) to make ragged."""
-    if not ep:
-        return False
-    if moe.dispatch == "auto":
-        return platform in GPU_PLATFORMS
-    return moe.dispatch == "ragged"
-
-
 def check(moe: MoeConfig, ep: int, platform: str) -> None:
     """Refuse a ragged exchange where XLA cannot compile one (before compiling)."""
-    if ep > 1 and moe.dispatch == "ragged" and platform not in GPU_PLATFORMS:
+    if ep > 1 and moe.dispatch == "ragged" and platform not in config.GPU_PLATFORMS:
         raise ConfigError(
             f"model.moe.dispatch='ragged': with layout.ep={ep} it needs a ragged all-to-all, "
             f"which XLA on platform {platform!r} does not implement (GPU targets only); use "

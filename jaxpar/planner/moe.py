@@ -68,12 +68,8 @@ def capacity(model: ModelConfig, seq: int) -> int:
 
 
 def dispatch(model: ModelConfig, lay: LayoutConfig, platform: str) -> str:
-    """``ragged`` or ``padded``: what the trainer dispatches with on ``platform`` (its rule,
-    :func:`jaxpar.model.ragged.chosen`, restated so the planner loads no model code)."""
-    choice = model.moe.dispatch
-    if lay.ep > 1 and (choice == "ragged" or (choice == "auto" and platform in ("gpu", "cuda"))):
-        return "ragged"
-    return "padded"
+    """``ragged`` or ``padded``: what the trainer dispatches with on ``platform``."""
+    return "ragged" if model.moe.ragged(platform, lay.ep) else "padded"
 
 
 def moved_rows(model: ModelConfig, lay: LayoutConfig, rows: int, seq: int, platform: str) -> int:
