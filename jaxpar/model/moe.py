@@ -26,8 +26,9 @@ row, first choices before second choices, then by position (GShard's priority); 
 expert's slot, the experts applied as batched einsums (a grouped matmul over equal groups),
 the outputs gathered back and summed with the gates. XLA:CPU implements no
 ``ragged-all-to-all``, so this padded form is the CPU path; on GPU targets
-(``model.moe.dispatch`` auto) :mod:`jaxpar.model.ragged` moves and multiplies only the
-``k·B·S`` kept rows over ``ep`` (a ragged all-to-all), with the same result.
+(``model.moe.dispatch`` auto) :mod:`jaxpar.model.ragged` sends only the ``k·B·S`` kept
+rows over ``ep`` (a ragged all-to-all) and computes them in this padded layout, with the
+same result.
 
 **Expert parallelism: folded onto dp, not a fifth mesh axis.** ``layout.ep`` divides
 ``layout.dp``; the mesh splits ``dp`` into ``edp × ep`` exactly as hybrid sharding splits it

@@ -141,7 +141,7 @@ def moe_ffn_delta(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, sha
     moe`), the shared experts and the router, less the dense FFN."""
     b = shape.microbatch_size(lay) or 1
     tokens, d, t = b * shape.seq / lay.sp, model.d_model, lay.tp
-    slots = model.moe.experts * b * MOE.capacity(model, shape.seq)  # both dispatches
+    slots = MOE.slots(model, b, shape.seq)
     e = model.moe
     f, shared = model.expert_ff / t, e.shared_experts * model.expert_ff / t
     secs = _matmul(hw, slots, d, 2 * f)[0] + _matmul(hw, slots, f, d)[0]

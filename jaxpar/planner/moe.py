@@ -67,6 +67,12 @@ def capacity(model: ModelConfig, seq: int) -> int:
     return model_capacity(model, seq)
 
 
+def slots(model: ModelConfig, rows: int, seq: int) -> int:
+    """``E·b·C`` dispatch slots per device and micro-batch: what the experts compute and keep,
+    with either dispatch (the ragged owner computes in the padded layout)."""
+    return model.moe.experts * rows * capacity(model, seq)
+
+
 def dispatch(model: ModelConfig, lay: LayoutConfig, platform: str) -> str:
     """``ragged`` or ``padded``: what the trainer dispatches with on ``platform``."""
     return "ragged" if model.moe.ragged(platform, lay.ep) else "padded"
@@ -75,10 +81,8 @@ def dispatch(model: ModelConfig, lay: LayoutConfig, platform: str) -> str:
 def moved_rows(model: ModelConfig, lay: LayoutConfig, rows: int, seq: int, platform: str) -> int:
     """Rows one dispatch all-to-all moves per device: the ``E·b·C`` slots padded; ragged, the
     kept assignments, at most ``top_k·b·S`` and at most the slots."""
-    slots = model.moe.experts * rows * capacity(model, seq)
-    if dispatch(model, lay, platform) == "ragged":
-        return min(model.moe.top_k * rows * seq, slots)
-    return slots
+    n = slots(model, rows, seq)
+    return min(model.moe.top_k * rows * seq, n) if dispatch(model, lay, platform) == "ragged" else n
 
 
 def figures(model: ModelConfig, lay: LayoutConfig, rows: int, seq: int, wc: int,
@@ -87,7 +91,7 @@ def figures(model: ModelConfig, lay: LayoutConfig, rows: int, seq: int, wc: int,
     the compute dtype) on ``platform`` (``hardware.platform``: which dispatch runs)."""
     e = model.moe
     c = capacity(model, seq)
-    slots = e.experts * rows * c
+    n_slots = slots(model, rows, seq)
     moved = moved_rows(model, lay, rows, seq, platform)
     # Any remat policy re-runs the forward pair: no policy saves a collective's output (the
     # selective one keeps dot outputs only), so the backward's recompute exchanges again.
@@ -95,7 +99,7 @@ def figures(model: ModelConfig, lay: LayoutConfig, rows: int, seq: int, wc: int,
     a2a = passes * moved * model.d_model * wc if lay.ep > 1 else 0.0
     f = model.expert_ff / lay.tp
     per_slot = 2 * 3 * model.d_model * f  # gate, up and down matmuls of one slot
-    return MoeFigures(slots, c, moved, dispatch(model, lay, platform), a2a, slots * per_slot,
+    return MoeFigures(n_slots, c, moved, dispatch(model, lay, platform), a2a, n_slots * per_slot,
                       rows * seq * e.top_k * per_slot)  # fmt: skip
 
 
@@ -103,10 +107,9 @@ def slot_residual_bytes(model: ModelConfig, lay: LayoutConfig, rows: int, seq: i
                         remat: str) -> float:  # fmt: skip
     """Bytes one MoE layer's routed part keeps for the backward (dispatch slots and router)."""
     per_d, per_f = SLOT_VALUES[remat]
-    slots = model.moe.experts * rows * capacity(model, seq)  # either dispatch: the same slots
     slot = per_d * model.d_model + per_f * model.expert_ff / lay.tp
     router = ROUTER_VALUES * model.moe.experts * rows * seq * 4 if remat == "none" else 0.0
-    return slots * slot * wc + router
+    return slots(model, rows, seq) * slot * wc + router
 
 
 def shared_model(model: ModelConfig) -> ModelConfig:
