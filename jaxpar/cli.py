@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:
             return _reader_gone()
         except JaxparError as e:
+            from jaxpar.distributed import caused_by_peer, stop_after_failure
+
+            if caused_by_peer(e):  # e.g. a checkpoint save whose collective met a dead peer:
+                stop_after_failure(prefix, e)  # the watch names the peer (else this line)
             print(f"{prefix}: error: {one_line(e)}", file=sys.stderr)
             return int(getattr(e, "exit_code", 2))  # 2; 128+N for a run stopped by signal N
         except OSError as e:  # full disk, permissions, a vanished file: no traceback

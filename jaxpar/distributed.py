@@ -33,6 +33,7 @@ watches stand down.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import threading
@@ -288,6 +289,28 @@ def stop_after_failure(prefix: str, error: BaseException) -> None:
     first = (str(error) or type(error).__name__).strip().splitlines()[0][:200]
     print(f"{prefix}: error: {first}; stopping this process", file=sys.stderr, flush=True)
     os._exit(EXIT_PEER_LOST)
+
+
+# What a collective or a transfer says when the process on the other end died (gloo, sockets).
+_PEER_ERROR = re.compile(
+    r"Connection reset by peer|Connection refused|Broken pipe|Connection closed by peer|"
+    r"\bgloo\b|DEADLINE_EXCEEDED|UNAVAILABLE"
+)
+
+
+def caused_by_peer(error: BaseException) -> bool:
+    """Whether ``error`` or an error it was raised from reads like a dead peer's (a collective
+    that failed because the process on the other end died), in a multi-process run."""
+    if _WATCH is None or _WATCH._done.is_set():
+        return False
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if _PEER_ERROR.search(str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def peer_timeout(env: Mapping[str, str] | None = None) -> float:

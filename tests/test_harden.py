@@ -526,3 +526,32 @@ def test_orphaned_write_tasks_after_a_failed_save_print_nothing():
     assert p.stderr.count("coroutine 'fragment' was never awaited") == 1, p.stderr
     assert "late_fragment" not in p.stderr, p.stderr
     assert "another asyncio error" in p.stderr and "held, then let through" in p.stderr
+
+
+def test_a_checkpoint_error_from_a_dead_peer_goes_to_the_peer_watch(monkeypatch):
+    """In a multi-process run, a one-line error whose cause is a collective that met a dead
+    peer (gloo's connection reset under a checkpoint save) is handed to the peer watch, which
+    names the peer; other errors, and any error in a single-process run, are not."""
+    from jaxpar import distributed
+
+    def save_error(cause: str) -> CheckpointError:
+        try:
+            try:
+                raise RuntimeError(cause)
+            except RuntimeError as e:
+                raise CheckpointError("checkpoint_dir='ck': saving step 6 failed") from e
+        except CheckpointError as e:
+            return e
+
+    reset = save_error("Gloo: Read error [127.0.0.1]:43112: Connection reset by peer")
+    disk = save_error("No space left on device")
+    monkeypatch.setattr(distributed, "_WATCH", None)
+    assert not distributed.caused_by_peer(reset)  # one process: nothing to watch
+
+    class Watch:
+        _done = type("E", (), {"is_set": staticmethod(lambda: False)})()
+
+    monkeypatch.setattr(distributed, "_WATCH", Watch())
+    assert distributed.caused_by_peer(reset)
+    assert not distributed.caused_by_peer(disk)
+    assert not distributed.caused_by_peer(ConfigError("layout.dp=3: must divide 8"))
