@@ -148,6 +148,13 @@ class ModelConfig:
             return 0
         return max(self.n_layers - self.moe.first_dense, 0) // self.moe.every
 
+    def stack(self) -> tuple[str, int]:
+        """The layer stack a pipeline splits into stages: its top-level parameter key and its
+        length (a MoE model's groups, ``moe_layers``; a dense model's ``layers``)."""
+        if self.moe.enabled:
+            return "moe_layers", self.moe_layers()
+        return "layers", self.n_layers
+
     def dense_prefix(self) -> int:
         """Dense blocks before the first MoE group (all of them for a dense model)."""
         return self.moe.first_dense if self.moe.enabled else self.n_layers

@@ -24,6 +24,7 @@ from jaxpar.config import LayoutConfig, ModelConfig
 LOGICAL_AXES = (
     "batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
     "act_seq", "attn_seq", "attn_heads", "attn_kv_heads", "stage", "experts", "expert_bias",
+    "sublayers",
 )  # fmt: skip
 """``act_seq``: the residual stream's sequence dim (``sp``, plus ``tp`` under Megatron-SP);
 ``seq``: the sequence dim inside a block, between column- and row-parallel matmuls (``sp``);
@@ -32,7 +33,8 @@ sequence, heads over ``tp`` then ``sp``; ring and plain: as inside the block); `
 leading ``[pp]`` slot dim of a pipeline's stage-owned embedding and head
 (:mod:`jaxpar.pipeline.rest`); ``experts``: the routed-expert dim of MoE weights (``ep``);
 ``expert_bias``: the per-expert routing bias, replicated, never trained nor decayed
-(:mod:`jaxpar.model.moe`)."""
+(:mod:`jaxpar.model.moe`); ``sublayers``: the dense blocks' stack inside a MoE group, under
+the groups' ``layers`` (never sharded: the pipeline splits the groups)."""
 
 ATTENTION_MODES = ("local", "ulysses", "ring")
 
@@ -214,17 +216,17 @@ def zero_spec(
 ) -> P:
     """Add ``axis`` (``dp``) to ``spec`` on the largest dimension that can take it.
 
-    Eligible dimensions are not ``layers`` (the layer scan slices it), not already sharded, and
-    divisible by ``dp`` times their existing shards. A tensor with no eligible dimension (e.g. a
-    small norm scale) stays replicated over ``dp``; its bytes are negligible and
-    :mod:`jaxpar.analysis` counts it exactly.
+    Eligible dimensions are not ``layers``/``sublayers`` (the layer scans slice them), not
+    already sharded, and divisible by ``dp`` times their existing shards. A tensor with no
+    eligible dimension (e.g. a small norm scale) stays replicated over ``dp``; its bytes are
+    negligible and :mod:`jaxpar.analysis` counts it exactly.
     """
     if dp == 1:
         return spec
     parts = list(spec) + [None] * (len(shape) - len(spec))
     best = None
     for i, (size, logical) in enumerate(zip(shape, logical_axes, strict=True)):
-        if logical == "layers" or parts[i] is not None or size % dp:
+        if logical in ("layers", "sublayers") or parts[i] is not None or size % dp:
             continue
         if best is None or size > shape[best]:
             best = i

@@ -199,8 +199,19 @@ def _check_moe_layout(m: ModelConfig, lay: LayoutConfig) -> None:
         raise ConfigError(
             f"layout.ep={lay.ep}: model.moe.experts={e.experts} must be divisible by ep"
         )
-    if lay.pp > 1:
-        raise ConfigError(f"layout.pp={lay.pp}: model.moe with pp>1: not supported yet")
+    if lay.pp > 1 and e.first_dense:
+        # A stage holds whole MoE groups (the pipeline's unit): dense blocks ahead of the first
+        # group would make stage 0 a different program.
+        raise ConfigError(
+            f"model.moe.first_dense={e.first_dense}: with layout.pp={lay.pp} the pipeline "
+            "stages hold MoE groups only; dense blocks before the first group are not "
+            "supported with pp>1 (set model.moe.first_dense=0)"
+        )
+    if lay.pp > 1 and m.moe_layers() % (lay.pp * lay.virtual):
+        raise ConfigError(
+            f"layout.pp={lay.pp}: the {m.moe_layers()} MoE groups (model.n_layers/model.moe."
+            f"every) must be divisible by pp*virtual={lay.pp}*{lay.virtual}"
+        )
     if lay.sp > 1:
         raise ConfigError(f"layout.sp={lay.sp}: model.moe with sp>1: not supported yet")
     if lay.ep > 1 and 0 < lay.dp_shard < lay.dp:

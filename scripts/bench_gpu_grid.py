@@ -13,7 +13,8 @@ time. Rows:
   and the rule of thumb (dp 4 x tp 8 + SP x pp 2, 1F1B, ZeRO-1);
 * llama3-8b on h100-8 at 8 × 4096 tokens: DDP, ZeRO-1/2/3, tp 8 + SP, pp 2 × tp 4, Ulysses sp 8;
 * mixtral-8x7b on h100-8 at 16 × 8192 tokens, dp 8 ZeRO-3, full recompute, no offload (host
-  offload does not compile deviceless): ep 1, and ep 2 with the padded and the ragged dispatch;
+  offload does not compile deviceless): ep 1, ep 2 with the padded and the ragged dispatch,
+  and pp 2 × dp 4 × ep 2 under DualPipeV (ragged dispatch inside the stages);
 * every schedule at pp 4 × dp 2 on one 8-GPU node (llama3-8b, 16 × 2048 tokens, 8 micro-batches).
 
 Needs the jax CUDA plugin (``pip install -e '.[gpu-aot]'``). Takes about a minute a row on two
@@ -67,6 +68,9 @@ ROWS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                                           "model.moe.dispatch=padded")),
     "moe-mixtral-ep2-ragged": ("mixtral-8x7b", "h100-8", (*MIX, "--ep", "2", "-o",
                                                           "model.moe.dispatch=ragged")),
+    "moe-mixtral-pp2-ep2-dualpipev": ("mixtral-8x7b", "h100-8", (
+        *MIX, "--dp", "4", "--pp", "2", "--ep", "2", "--microbatches", "4",
+        "--schedule", "dualpipev", "--virtual", "2")),  # fmt: skip
     **{
         f"pp4-{s}": ("llama3-8b", "h100-8", (*PP4, "--schedule", s, "--virtual", str(v)))
         for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2),

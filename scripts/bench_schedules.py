@@ -163,7 +163,7 @@ def branch_flops(kind: str, v: int) -> dict[str, float]:
         out["head"] = _flops(head_grads, head, x, tg)
 
         def fb(c, hp, h, t):
-            f = lambda c, q, z: pm.head_loss(q, stage(c, z).apply(c, z), t)  # noqa: E731
+            f = lambda c, q, z: pm.head_loss(q, stage(c, z).apply(c, z)[0], t)  # noqa: E731
             return jax.value_and_grad(f, argnums=(0, 1, 2))(c, hp, h)
 
         out["FB"] = _flops(fb, chunk, head, x, tg)

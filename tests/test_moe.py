@@ -192,7 +192,7 @@ def test_groups_every_second_layer_bias_and_aux_loss():
         (dict(experts=6, top_k=2), dict(dp=4, ep=4), "layout.ep=4: model.moe.experts=6 must be"),
         (None, dict(dp=2, ep=2), "layout.ep=2: expert parallelism needs a MoE model"),
         (dict(experts=8, capacity_factor=0.5), {}, "model.moe.capacity_factor=0.5: must be 0"),
-        (dict(experts=8), dict(pp=2), "model.moe with pp>1: not supported yet"),
+        (dict(experts=8, first_dense=1), dict(pp=2), "model.moe.first_dense=1: with layout.pp=2"),
         (dict(experts=8), dict(dp=4, ep=3), "layout.ep=3: must divide layout.dp=4"),
     ],
 )
@@ -208,7 +208,11 @@ def test_cli_refuses_in_one_line(capsys):
     code = main(["train", "--model", "tiny-moe", "--dry-run"])  # the default mesh pipelines
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert err[0] == "jaxpar train: error: layout.pp=2: model.moe with pp>1: not supported yet"
+    assert err[0] == (
+        "jaxpar train: error: model.moe.first_dense=1: with layout.pp=2 the pipeline stages hold "
+        "MoE groups only; dense blocks before the first group are not supported with pp>1 (set "
+        "model.moe.first_dense=0)"
+    )
     code = main(["train", "--model", "tiny-moe", "--pp", "1", "--dp", "4", "--ep", "4",
                  "-o", "model.moe.top_k=9", "--dry-run"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()

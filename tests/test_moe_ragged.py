@@ -98,6 +98,19 @@ def test_ragged_matches_one_padded_device(name, emulated):
     _assert_close(g, ref)
 
 
+def test_ragged_in_a_pipeline_stage_matches_one_device(emulated):
+    """pp 2 x ep 2 under DualPipeV (two micro-batches' ticks fused): the ragged exchange inside
+    the stages gives one padded device's loss and gradients."""
+    import test_moe_pipeline as MP
+
+    cfg = MP.moe_config(pp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev", virtual=2)
+    cfg.model.moe = dataclasses.replace(cfg.model.moe, dispatch="ragged")
+    _, loss, g = MP._grads(cfg)
+    ref_loss, ref = MP._reference()
+    assert abs(loss / ref_loss - 1) < 1e-4
+    MP._assert_close(g, ref)
+
+
 def test_capacity_drops_the_same_rows(emulated):
     """Capacity factor 1: the rows the capacity drops are never sent; loss and gradients equal
     one device's padded dispatch under the same capacity."""
@@ -128,30 +141,31 @@ def test_receive_buffer_bound():
 
 
 MOE_YAML = """name: moe-gpu-test
-n_layers: 3
+n_layers: %d
 d_model: 64
 n_heads: 4
 n_kv_heads: 2
 d_ff: 128
 vocab_size: 256
 max_seq_len: 64
-moe: {experts: 8, top_k: 2, shared_experts: 1, expert_ff: 32, first_dense: 1, dispatch: %s}
+moe: {experts: 8, top_k: 2, shared_experts: 1, expert_ff: 32, first_dense: %d, dispatch: %s}
 """
+DP8_EP2 = ("--dp", "8", "--ep", "2", "--pp", "1", "--microbatches", "1")
 
 
-def _gpu_compile(tmp_path, dispatch: str) -> dict:
-    """``jaxpar compile`` of the MoE above for h100-8 (dp 8, ep 2, batch 16 x 64) in a
-    subprocess; its JSON report."""
+def _gpu_compile(tmp_path, dispatch: str, layout=DP8_EP2, first_dense=1) -> dict:
+    """``jaxpar compile`` of the MoE above for h100-8 (by default dp 8, ep 2; batch 16 x 64)
+    in a subprocess; its JSON report."""
     from test_gpu_compile import _plugin_or_fail
 
     _plugin_or_fail()
-    model = tmp_path / f"{dispatch}.yaml"
-    model.write_text(MOE_YAML % dispatch)
+    model = tmp_path / f"{dispatch}-{first_dense}.yaml"
+    # 3 layers, the first dense; or, for a pipeline, 4 MoE layers (2 per stage)
+    model.write_text(MOE_YAML % (4 - first_dense, first_dense, dispatch))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "jaxpar.cli", "compile", "--model", str(model),
-           "--mesh", "h100-8", "--dp", "8", "--ep", "2", "--tp", "1", "--pp", "1",
-           "--zero", "0", "--microbatches", "1", "--remat", "none",
+           "--mesh", "h100-8", *layout, "--tp", "1", "--zero", "0", "--remat", "none",
            "--global-batch", "16", "--seq-len", "64", "--json"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -181,9 +195,23 @@ def test_ragged_dispatch_compiles_for_gpu_with_its_bytes(tmp_path):
     assert kinds["ragged-all-to-all"]["wire_bytes"] < padded["all-to-all"]["wire_bytes"] / 2
     # The planner prices the rows the ragged exchange really moves on a GPU (the kept
     # assignments, k·b·S dropless, each pass), the padded buffer on a CPU.
-    model = C.load_model(str(tmp_path / "auto.yaml"))
+    model = C.load_model(str(tmp_path / "auto-1.yaml"))
     lay = C.LayoutConfig(dp=8, ep=2, tp=1, pp=1, microbatches=1)
     gpu, cpu = (MOE.figures(model, lay, b, s, bf16, p) for p in ("gpu", "cpu"))
     assert (gpu.dispatch, gpu.moved, cpu.dispatch, cpu.moved) == ("ragged", t, "padded", e * b * s)
     assert gpu.a2a_bytes == 4 * t * d * bf16
     assert layers * gpu.a2a_bytes <= 2 * want  # within the operands' bound (wire = half)
+
+
+def test_ragged_dispatch_compiles_in_a_gpu_pipeline(tmp_path):
+    """pp 2 x dp 4 x ep 2 1F1B on the H100 target, every layer MoE: the stages' exchanges are
+    ragged all-to-alls over ep (no padded buffer moves), the activations cross pp by
+    collective-permute, and the compiled memory is beside the planner's."""
+    layout = ("--dp", "4", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule", "1f1b")
+    rep = _gpu_compile(tmp_path, "auto", layout, first_dense=0)
+    ep = rep["collectives"]["ep"]["by_kind"]
+    assert ep["ragged-all-to-all"]["count"] > 0
+    assert ep.get("all-to-all", {"wire_bytes": 0})["wire_bytes"] < 1000  # offsets only
+    assert rep["collectives"]["pp"]["by_kind"]["collective-permute"]["count"] > 0
+    mem = rep["memory"]
+    assert 0.5 < mem["ratio"] < 2.0, mem

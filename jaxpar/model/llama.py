@@ -224,13 +224,11 @@ class Model:
 
     def logical_axes(self) -> Params:
         """Logical axes of every parameter; stacked layers get a leading ``layers`` axis (the
-        dense blocks inside a MoE group two)."""
+        dense blocks inside a MoE group ``layers, sublayers``)."""
         tree = nnx.to_pure_dict(_logical(self._abstract_state))
 
-        def stacked(t, n=1):
-            return jax.tree.map(
-                lambda ax: ("layers",) * n + ax, t, is_leaf=lambda x: isinstance(x, tuple)
-            )
+        def stacked(t, lead=("layers",)):
+            return jax.tree.map(lambda ax: lead + ax, t, is_leaf=lambda x: isinstance(x, tuple))
 
         if "layers" in tree:
             tree["layers"] = stacked(tree["layers"])
@@ -238,7 +236,7 @@ class Model:
             group = tree["moe_layers"]
             group["moe"] = stacked(group["moe"])
             if "dense" in group:
-                group["dense"] = stacked(group["dense"], 2)
+                group["dense"] = stacked(group["dense"], ("layers", "sublayers"))
         return tree
 
     def _bind(self, name: str, params: Params) -> nnx.Module:
@@ -298,12 +296,16 @@ class Model:
         :class:`jaxpar.model.moe.MoeStats` stacked ``[G, ...]``."""
 
         def body(x, group):
-            if "dense" in group:
-                x = self.blocks(group["dense"], x, positions_S)
-            moe = self._bind("moe_block", group["moe"])
-            return moe.with_stats(x, positions_S)
+            return self.group(group, x, positions_S)
 
         return self._scan(body, stacked, x_BxSxD, wrap)
+
+    def group(self, group: Params, x_BxSxD: jax.Array, positions_S: jax.Array):
+        """One MoE group (one slice of ``moe_layers``): its dense blocks, then its MoE block;
+        returns the output and the MoE block's :class:`jaxpar.model.moe.MoeStats`."""
+        if "dense" in group:
+            x_BxSxD = self.blocks(group["dense"], x_BxSxD, positions_S)
+        return self._bind("moe_block", group["moe"]).with_stats(x_BxSxD, positions_S)
 
     def _scan(self, body: Callable, stacked: Params, x_BxSxD: jax.Array, wrap) -> tuple:
         """``body`` over the leading axis of ``stacked`` (wrapped), as ``model.layer_unroll``

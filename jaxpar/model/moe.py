@@ -53,11 +53,13 @@ DPReduction` ``ep_dims``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig, MoeConfig
@@ -250,12 +252,40 @@ class MoE(nnx.Module):
         return constrain(y, ("batch", "act_seq", "embed")), r.stats
 
 
-def balance(moe: MoeConfig, params: dict, stats: MoeStats, ok: jax.Array) -> tuple[dict, dict]:
+def with_loss(y: jax.Array, term: jax.Array, scale: float) -> jax.Array:
+    """``y`` unchanged; in the backward ``term`` also takes the cotangent ``scale``, as if
+    ``scale · term`` were added to the loss. A pipeline stage differentiates only its output
+    (:mod:`jaxpar.pipeline.stage`), so a MoE layer's balancing loss enters its gradient here,
+    where it is computed; its value is reported as a statistic and added to the loss."""
+    return _with_loss(float(scale), y, term) if scale else y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _with_loss(scale: float, y: jax.Array, term: jax.Array) -> jax.Array:
+    return y
+
+
+def _with_loss_fwd(scale, y, term):
+    return y, jnp.zeros((), term.dtype)
+
+
+def _with_loss_bwd(scale, zero, dy):
+    return dy, zero + scale
+
+
+_with_loss.defvjp(_with_loss_fwd, _with_loss_bwd)
+
+
+def balance(moe: MoeConfig, params: dict, stats: MoeStats, ok: jax.Array,
+            order: np.ndarray | None = None) -> tuple[dict, dict]:  # fmt: skip
     """After a step: the params with the bias rule applied (``bias_rate`` 0: unchanged) and
     the step's MoE metrics: ``moe_load`` (max/mean expert load per MoE layer) and
-    ``moe_dropped`` (assignments dropped by the capacity, per MoE layer)."""
+    ``moe_dropped`` (assignments dropped by the capacity, per MoE layer). ``stats`` are in
+    canonical layer order; ``order``: the canonical layer at each position of the params' stack
+    (a pipeline's form at rest, :class:`jaxpar.pipeline.rest.RestLayout`), None: canonical."""
     if moe.bias_rate:
-        params = update_bias(params, stats.load, moe.bias_rate, ok)
+        load = stats.load if order is None else stats.load[order]
+        params = update_bias(params, load, moe.bias_rate, ok)
     return params, {"moe_load": load_ratio(stats.load), "moe_dropped": stats.dropped}
 
 

@@ -47,6 +47,7 @@ class Carry:
     acc: Any = None  # chunk-gradient tree [v, Lc, ...]
     acc_embed: Any = None  # embedding gradient (nonzero on stage 0's rank)
     acc_head: Any = None  # head gradient (nonzero on the last stage's rank)
+    stats: Any = None  # the layers' statistics [v, Lc, ...] summed over forwards; None: none
 
 
 @_pytree
@@ -60,6 +61,7 @@ class ForwardOut:
     taps: Leaves  # split backward: the weight matmuls' activation operands
     cot: jax.Array | None  # the head's output cotangent; None when the table has no cot slots
     d_head: Any  # the head's gradient; None unless a plain F runs the head in training
+    stats: Any  # the stage's layers' statistics [Lc, ...]; None when its layers report none
 
 
 @_pytree
@@ -73,6 +75,7 @@ class BackwardOut:
     wpend: Leaves  # what an I files for its W
     loss: jax.Array | None  # FB's loss; None when the table has no FB
     d_head: Any  # FB's head gradient; None when the table has no FB
+    stats: Any  # FB's forward's statistics; None without FB or statistics
 
 
 @_pytree

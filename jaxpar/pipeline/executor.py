@@ -72,10 +72,11 @@ def run_local(tables: StepTables, model: PipelineModel, local: Any, embed_params
     """Run the schedule on this rank (inside a ``shard_map`` manual over ``pp``).
 
     ``local`` is this rank's ``[v, Lc, ...]`` layer tree, ``tokens``/``targets`` all
-    micro-batches' rows of this dp rank. Returns ``(loss, d local, d embed, d head)`` — the
-    loss (mean over micro-batches, summed over ``pp``), and this rank's gradients: of its
+    micro-batches' rows of this dp rank. Returns ``(loss, d local, d embed, d head, stats)``
+    — the loss (mean over micro-batches, summed over ``pp``), this rank's gradients: of its
     chunks, of the embedding (nonzero on the first stage's rank only) and of the head (the last
-    stage's) — or just the loss for a forward-only table.
+    stage's), and its chunks' layer statistics ``[v, Lc, ...]`` summed over the micro-batches
+    (None when the layers report none) — or ``(loss, stats)`` for a forward-only table.
     """
     params = StageParams(local, embed_params, head_params)
     prog = _Program(tables, model, params, tokens_MxBxS, targets_MxBxS)
@@ -86,10 +87,10 @@ def run_local(tables: StepTables, model: PipelineModel, local: Any, embed_params
     c, _ = jax.lax.scan(prog.tick, prog.carry0(), xs)
     loss = jax.lax.psum(c.loss, "pp")
     if not tables.training:
-        return loss
+        return loss, c.stats
     # Not summed over pp: the embedding and head are stage-owned at rest
     # (jaxpar.pipeline.rest), so each gradient stays on the rank that computed it.
-    return loss, c.acc, c.acc_embed, c.acc_head
+    return loss, c.acc, c.acc_embed, c.acc_head, c.stats
 
 
 class _Program:
@@ -110,16 +111,16 @@ class _Program:
         # the zeros made inside the branch (carry.fresh says why).
         msg, loss = jax.ShapeDtypeStruct(x0.shape, x0.dtype), jax.ShapeDtypeStruct((), jnp.float32)
         self.head_shapes = head = jax.eval_shape(lambda h: h, params.head) if self.train else None
-        train, fb = self.train, tables.has_fb
+        train, fb, stats = self.train, tables.has_fb, self.stage.stats_shapes
         self.f_shapes = ForwardOut(
             y=msg, loss=loss, stash=list(self.stage.stash_shapes) if train else [],
             taps=list(self.stage.taps_shapes) if train else [], cot=msg if self.n.cot else None,
-            d_head=head if tables.head_in_forward else None,
+            d_head=head if tables.head_in_forward else None, stats=stats,
         )  # fmt: skip
         self.b_shapes = BackwardOut(
             dx=msg, d_chunk=jax.tree.unflatten(self.tree, self.acc_shapes),
             d_embed=self.embed_shapes, wpend=list(self.stage.wpend_shapes),
-            loss=loss if fb else None, d_head=head if fb else None,
+            loss=loss if fb else None, d_head=head if fb else None, stats=stats if fb else None,
         ) if train else None  # fmt: skip
 
     def _embed_grad_shapes(self) -> Any:
@@ -158,13 +159,15 @@ class _Program:
     def f_fwd(self, xs: TickIn, x_in: jax.Array) -> ForwardOut:
         row, train = xs.row, self.train
         s, j = row.f_stage, row.f_mb
+        keep = lambda st: st if self.f_shapes.stats is not None else None  # noqa: E731
         embed = lambda: self.model.embed(self.params.embed, self.tokens[j]).astype(self.dtype)  # noqa: E731
         x_in = cond(s == 0, embed, lambda: x_in, self.w.embed)
         if train:
-            y, stash, taps = self.stage.forward(self.chunk(row.f_chunk), x_in)
-            out = ops.fresh(self.f_shapes, y=y, stash=stash, taps=taps)
+            y, stash, taps, stats = self.stage.forward(self.chunk(row.f_chunk), x_in)
+            out = ops.fresh(self.f_shapes, y=y, stash=stash, taps=taps, stats=keep(stats))
         else:
-            out = ops.fresh(self.f_shapes, y=self.stage.apply(self.chunk(row.f_chunk), x_in))
+            y, stats = self.stage.apply(self.chunk(row.f_chunk), x_in)
+            out = ops.fresh(self.f_shapes, y=y, stats=keep(stats))
         loss_of = self._loss_of(j)
 
         def at_head(y):
@@ -192,17 +195,29 @@ class _Program:
 
     def b_fb(self, xs: TickIn, ins: BackwardIn) -> BackwardOut:
         # The last stage's forward and full backward of one micro-batch in one tick (the
-        # table's f_* fields name it): one VJP, nothing stashed.
+        # table's f_* fields name it): one VJP, nothing stashed; under recompute the forward
+        # keeps the layer inputs and each layer's backward re-runs it (one layer's residuals
+        # at a time, as in B).
         row, loss_of = xs.row, self._loss_of(xs.row.f_mb)
+        if self.stage.p.recompute:
+            ch = self.chunk(row.f_chunk)
+            y, stash, _, stats = self.stage.forward(ch, ins.x)
+            loss, (d_head, dy) = jax.value_and_grad(loss_of, argnums=(0, 1))(self.params.head, y)
+            d_chunk, dx = self.stage.backward(ch, stash, [], dy.astype(y.dtype))
+            return ops.fresh(self.b_shapes, loss=loss, d_head=d_head, dx=dx,
+                             d_chunk=self.reduce(d_chunk),
+                             stats=stats if self.b_shapes.stats is not None else None)  # fmt: skip
 
         def fb_loss(ch, hp, x):
-            return loss_of(hp, self.stage.apply(ch, x))
+            y, stats = self.stage.apply(ch, x)
+            return loss_of(hp, y), stats
 
-        loss, (d_chunk, d_head, dx) = jax.value_and_grad(fb_loss, argnums=(0, 1, 2))(
-            self.chunk(row.f_chunk), self.params.head, ins.x
-        )
+        (loss, stats), (d_chunk, d_head, dx) = jax.value_and_grad(
+            fb_loss, argnums=(0, 1, 2), has_aux=True
+        )(self.chunk(row.f_chunk), self.params.head, ins.x)
         d_chunk = self.reduce(d_chunk)
-        return ops.fresh(self.b_shapes, loss=loss, d_head=d_head, dx=dx, d_chunk=d_chunk)
+        return ops.fresh(self.b_shapes, loss=loss, d_head=d_head, dx=dx, d_chunk=d_chunk,
+                         stats=stats if self.b_shapes.stats is not None else None)  # fmt: skip
 
     def embed_grad(self, row: TickTable, dx: jax.Array) -> Any:
         # Stage 0's input cotangent is the embedding's: its gradient is taken here (ZeRO-3: the
@@ -262,7 +277,7 @@ class _Program:
                    ops.slot(c.act, row.f_in + after))  # fmt: skip
         arr_act = self.send("act", fo.y, xs)
         loss = fo.loss + bo.loss if self.tables.has_fb else fo.loss  # FB's loss: backward's
-        c = dataclasses.replace(c, loss=c.loss + loss)
+        c = dataclasses.replace(c, loss=c.loss + loss, stats=self._add_stats(c.stats, row, fo, bo))
         if self.train:
             c = self._writes(c, row, fo, bo, after, arr_grad)
         act = ops.file_arrivals(c.act, self.tables.table.recv_act, row.recv_act, arr_act)
@@ -295,6 +310,17 @@ class _Program:
         bo = switch(index, branches, self.w.backward, xs, ins)
         return bo, self.send("grad", bo.dx, xs)
 
+    def _add_stats(self, acc: Any, row: TickTable, fo: ForwardOut, bo: BackwardOut | None):
+        """The layers' statistics of this tick's forward (a plain F's, or an FB's) added to
+        its local chunk's (an idle phase's are zeros)."""
+        if acc is None:
+            return None
+        v = self.tables.schedule.v
+        acc = ops.accumulate(acc, row.f_chunk, fo.stats, v)
+        if bo is not None and bo.stats is not None:  # FB: the forward ran in the backward
+            acc = ops.accumulate(acc, row.f_chunk, bo.stats, v)
+        return acc
+
     def _writes(self, c: Carry, row: TickTable, fo: ForwardOut, bo: BackwardOut, after, arr_grad):
         # The forward's stash, taps and cot writes land after the backward has read those
         # buffers (the forward itself runs after it): their slot index depends on the
@@ -325,7 +351,12 @@ class _Program:
         """The scan's initial carry: empty buffers and zero accumulators."""
         n, msg0, st = self.n, self.msg0, self.stage
         slots = lambda k, shapes: [jnp.zeros((k, *s.shape), s.dtype) for s in shapes]  # noqa: E731
-        c = Carry(act=slots(max(n.act, 1), [msg0])[0], loss=jnp.zeros((), jnp.float32))
+        stats = st.stats_shapes
+        if stats is not None:
+            v = self.tables.schedule.v
+            stats = jax.tree.map(lambda s: jnp.zeros((v, *s.shape), s.dtype), stats)
+        c = Carry(act=slots(max(n.act, 1), [msg0])[0], loss=jnp.zeros((), jnp.float32),
+                  stats=stats)  # fmt: skip
         if not self.train:
             return c
         return dataclasses.replace(

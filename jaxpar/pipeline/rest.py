@@ -4,9 +4,10 @@ The canonical form is what the model builds and what checkpoints, Hugging Face w
 inference hold. A pipeline layout (``pp > 1``) stores two things differently, so that a train
 step moves no weights and sums no gradient over ``pp``:
 
-* **Layers in placement order.** ``params["layers"]`` is stacked ``[L, ...]`` and sharded over
-  ``pp`` on ``L``, in the placement order of the layout's schedule (:func:`layer_order`): rank
-  ``r``'s rows are its chunks in ascending stage order. The arrangement ``[p, v, L/(p·v), ...]``
+* **Layers in placement order.** ``params["layers"]`` (a MoE model's groups ``moe_layers``:
+  :meth:`~jaxpar.config.ModelConfig.stack`) is stacked ``[L, ...]`` and sharded over ``pp`` on
+  ``L``, in the placement order of the layout's schedule (:func:`layer_order`): rank ``r``'s
+  rows are its chunks in ascending stage order. The arrangement ``[p, v, L/(p·v), ...]``
   the executor reads is then a free reshape of the pp-sharded array for every schedule
   (interleaved and V placements included).
 * **Stage-owned leaves.** The embedding is used only on the rank of the first stage, the head
@@ -76,17 +77,19 @@ class RestLayout:
     pp: int
     order: np.ndarray | None  # canonical layer at each stack position; None: canonical
     owners: tuple[tuple[str, int], ...]  # (top-level param key, the pp rank that owns it)
+    stack: str = "layers"  # the top-level key of the stack split over pp (ModelConfig.stack)
 
     @staticmethod
     def of(layout: LayoutConfig, model: ModelConfig) -> RestLayout:
         """The embedding owned by the first stage's rank (unless tied), the head by the last's."""
+        stack, n = model.stack()
         if layout.pp <= 1:
-            return RestLayout(1, None, ())
+            return RestLayout(1, None, (), stack)
         place = placement_for(layout.schedule, layout.pp, layout.virtual)
         owners = (("head", place[-1]),)
         if not model.tied_embeddings:
             owners = (("embed", place[0]), *owners)
-        return RestLayout(layout.pp, layer_order(layout, model.n_layers), owners)
+        return RestLayout(layout.pp, layer_order(layout, n), owners, stack)
 
     @property
     def identity(self) -> bool:
@@ -98,11 +101,11 @@ class RestLayout:
         return dict(self.owners).get(key)
 
     def _map(self, tree: Any, layers: Callable, owned: Callable, is_leaf=None) -> Any:
-        keys = frozenset(("layers", *dict(self.owners)))
+        keys = frozenset((self.stack, *dict(self.owners)))
 
         def one(path, x):
             key = _param_key(path, keys)
-            if key == "layers":
+            if key == self.stack:
                 return layers(x)
             r = self.owner(key) if key is not None else None
             return x if r is None else owned(x, r)

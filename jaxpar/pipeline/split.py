@@ -36,7 +36,9 @@ from typing import Any
 import jax
 from jax.extend.core import Literal
 
-LayerFn = Callable[[Any, jax.Array], jax.Array]  # (layer params, x) -> y
+# (layer params, x) -> (y, stats): ``stats`` a pytree of what the layer reports (a MoE
+# layer's expert load; ``()`` for a dense one), never differentiated.
+LayerFn = Callable[[Any, jax.Array], tuple[jax.Array, Any]]
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,9 @@ class SplitLayer:
 
     def __init__(self, fn: LayerFn, params: Any, x: jax.Array):
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
-        closed = jax.make_jaxpr(fn)(*shapes)
+        closed, out = jax.make_jaxpr(fn, return_shape=True)(*shapes)
         self.jaxpr, self.consts = closed.jaxpr, closed.consts
+        self.out_tree = jax.tree.structure(out)  # (y, stats)
         self.param_tree = jax.tree.structure(params)
         n_params = self.param_tree.num_leaves
         tainted = set(self.jaxpr.invars[n_params:])  # values that depend on x
@@ -94,7 +97,8 @@ class SplitLayer:
             got = set().union(*(reach.get(v, set()) for v in ins if not isinstance(v, Literal)))
             for v in eqn.outvars:
                 reach[v] = got
-        out = set().union(*(reach.get(v, set()) for v in self.jaxpr.outvars))
+        y = self.jaxpr.outvars[0]  # the statistics after it carry no gradient
+        out = reach.get(y, set()) if not isinstance(y, Literal) else set()
         return tuple(k in out for k in range(n_params))
 
     @property
@@ -115,8 +119,9 @@ class SplitLayer:
             env[self.jaxpr.invars[len(leaves)]] = x
         return env
 
-    def forward(self, params: Any, x: jax.Array, probes: list) -> tuple[jax.Array, list]:
-        """The layer's output, with ``probe_k`` added to weight dot ``k``; and the taps."""
+    def forward(self, params: Any, x: jax.Array, probes: list) -> tuple[jax.Array, list, Any]:
+        """The layer's output, with ``probe_k`` added to weight dot ``k``; the taps; the
+        layer's statistics."""
         env, taps = self._env(params, x), [None] * len(self.dots)
         for i, eqn in enumerate(self.jaxpr.eqns):
             invals = [_read(env, v) for v in eqn.invars]
@@ -131,8 +136,8 @@ class SplitLayer:
                 outs = [_bind(eqn, invals)[0] + probes[k]]
             for v, val in zip(eqn.outvars, outs, strict=True):
                 env[v] = val
-        (y,) = [_read(env, v) for v in self.jaxpr.outvars]
-        return y, taps
+        y, stats = jax.tree.unflatten(self.out_tree, [_read(env, v) for v in self.jaxpr.outvars])
+        return y, taps, stats
 
     def dot_outputs(self, params: Any, taps: list) -> list:
         """``[dot_k(tap_k, w_k(params))]``: the weight path (everything that does not depend on

@@ -11,8 +11,14 @@ in a later one. Between the two, what the backward needs lives in fixed slot buf
   activations only; the backward puts the chunk's current parameters back. Each layer runs
   under a checkpoint policy that never keeps a weight (:mod:`jaxpar.train.remat`), so the
   stash holds no copy of cast or fused weights either.
-* **recompute mode** (``remat full``): the slot holds the stage input; every backward piece
-  re-runs the forward under ``jax.vjp``.
+* **recompute mode** (``remat full``): the slot holds each layer's input ``[Lc, ...]``; every
+  backward piece runs the chunk's layers last to first, each re-running its own forward under
+  ``jax.vjp`` from its input, so one layer's residuals exist at a time (as ``remat full``
+  without a pipeline). Re-running the whole chunk under one VJP from the stage input would
+  hold every layer's residuals of the chunk at once: on Mixtral-8x7b's dropless MoE layers,
+  about 11.5 GiB per layer and micro-batch of 8192 tokens, times the chunk's layers, times
+  the backward branches XLA:GPU gives buffers of their own (DualPipeV, 2 layers per chunk:
+  82 GiB of temporaries; 4 layers: 175 GiB).
 
 Split backward (zero-bubble schedules, :mod:`jaxpar.pipeline.split`): the forward also keeps
 each weight matmul's activation operand (the *taps*, a buffer of their own); ``I`` returns the
@@ -22,10 +28,13 @@ Under recompute ``I`` re-runs the forward and files the taps with the ``dys``.
 
 **The stage interface** (what a layer must satisfy to run inside a stage; a MoE layer too):
 
-* :attr:`StagePieces.layer` is a pure function ``(layer params, x) -> y`` of one layer with
-  ``y`` shaped like ``x`` and fixed shapes (a capacity-padded MoE dispatch, not a data-dependent
-  one): the stash buffers are sized once per trace from its VJP's residuals. The executor scans
-  it over the chunk's ``[Lc, ...]`` layers and differentiates it with ``jax.vjp``.
+* :attr:`StagePieces.layer` is a pure function ``(layer params, x) -> (y, stats)`` of one
+  layer with ``y`` shaped like ``x`` and fixed shapes (a capacity-padded MoE dispatch, not a
+  data-dependent one): the stash buffers are sized once per trace from its VJP's residuals.
+  The executor scans it over the chunk's ``[Lc, ...]`` layers and differentiates ``y`` with
+  ``jax.vjp``. ``stats`` is what the layer reports (a MoE group's
+  :class:`~jaxpar.model.moe.MoeStats`; ``()`` for a dense layer): the VJP's auxiliary output,
+  never differentiated, summed per layer over the forwards of the step.
 * Split schedules (``I``/``W``) defer only a layer's top-level ``dot_general`` weight matmuls to
   ``W`` (:mod:`jaxpar.pipeline.split`); anything else (a ``ragged_dot``, a nested ``jit``) keeps
   its weight gradient in ``I``: correct, only less deferred.
@@ -35,8 +44,9 @@ Under recompute ``I`` re-runs the forward and files the taps with the ``dys``.
   backward's collectives issued before any of the forward's (the executor's barrier), so a
   layer's collectives meet in one order on every device: what DualPipeV-style ticks that
   overlap one micro-batch's forward with another's backward need.
-* It returns no auxiliary output: a MoE auxiliary loss needs a new field beside ``y`` (summed
-  into the tick's loss as the head's is); a routing bias updated from the load needs none.
+* A loss term of its own (a MoE balancing loss) reaches the gradient inside the layer: its
+  constant cotangent enters where the term is computed (:func:`jaxpar.model.moe.with_loss`),
+  and its value is a statistic the caller adds to the loss.
 """
 
 from __future__ import annotations
@@ -67,7 +77,7 @@ class StagePieces:
 
     layer: LayerFn  # (layer params, x) -> y, the layout's hooks applied (ZeRO-3 gather)
     policy: Any  # jax.checkpoint policy of a layer (never keeps weights); None: no checkpoint
-    recompute: bool  # stash the stage input only; the backward re-runs the forward
+    recompute: bool  # stash each layer's input; the backward re-runs each layer's forward
     split: bool  # zero-bubble: I and W; the forward keeps the weight matmuls' taps
 
 
@@ -80,7 +90,7 @@ class Stage:
         self.n_layers = jax.tree.leaves(chunk)[0].shape[0]
         self.split = SplitLayer(pieces.layer, _first(chunk), x) if pieces.split else None
         self.stash_shapes: tuple[jax.ShapeDtypeStruct, ...] = (
-            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            jax.ShapeDtypeStruct((self.n_layers, *x.shape), x.dtype),  # recompute: layer inputs
         )
         self.taps_shapes: tuple[jax.ShapeDtypeStruct, ...] = ()
         self.wpend_shapes: tuple[jax.ShapeDtypeStruct, ...] = ()
@@ -96,6 +106,10 @@ class Stage:
         if not pieces.recompute:
             shapes = jax.eval_shape(lambda c, x: self._residual_leaves(c, x), chunk, x)
             self.stash_shapes = _shapes(shapes)
+        # The layers' statistics [Lc, ...] (a MoE stage's expert load); None for a stage that
+        # reports none.
+        stats = jax.eval_shape(self.apply, chunk, x)[1]
+        self.stats_shapes: Any = stats if jax.tree.leaves(stats) else None
 
     # ---- the stage function ------------------------------------------------------------------
 
@@ -104,19 +118,21 @@ class Stage:
             return fn
         return jax.checkpoint(fn, prevent_cse=False, policy=self.p.policy)
 
-    def apply(self, chunk: Any, x: jax.Array) -> jax.Array:
-        """The stage: its layers in a ``lax.scan``."""
+    def apply(self, chunk: Any, x: jax.Array) -> tuple[jax.Array, Any]:
+        """The stage: its layers in a ``lax.scan``; the output and the layers' statistics
+        stacked ``[Lc, ...]``."""
         layer = self._layer(self.p.layer)
-        y, _ = jax.lax.scan(lambda h, lp: (layer(lp, h), None), x, chunk)
-        return y
+        return jax.lax.scan(lambda h, lp: layer(lp, h), x, chunk)
 
-    def probed(self, chunk: Any, x: jax.Array, probes: Leaves) -> tuple[jax.Array, Leaves]:
-        """The stage with each weight dot probed (split mode): output and stacked taps."""
+    def probed(self, chunk: Any, x: jax.Array, probes: Leaves):
+        """The stage with each weight dot probed (split mode): the output and, as the VJP's
+        auxiliary output, the stacked taps and statistics."""
         layer = self._layer(self.split.forward)
 
         def body(h, xs):
             lp, pr = xs
-            return layer(lp, h, pr)
+            y, taps, stats = layer(lp, h, pr)
+            return y, (taps, stats)
 
         return jax.lax.scan(body, x, (chunk, probes))
 
@@ -124,16 +140,18 @@ class Stage:
         return [jnp.zeros((self.n_layers, *s.shape), s.dtype) for s in self.split.probe_shapes]
 
     def _vjp(self, chunk: Any, x: jax.Array):
-        """``(y, pullback, taps)``; the pullback maps ``g`` to ``(d chunk, dx[, dys])``."""
+        """``(y, pullback, taps, stats)``; the pullback maps ``g`` to ``(d chunk, dx[, dys])``
+        (the statistics take no cotangent)."""
         if self.split is None:
-            y, pb = jax.vjp(self.apply, chunk, x)
-            return y, pb, []
-        return jax.vjp(self.probed, chunk, x, self._probes(), has_aux=True)
+            y, pb, stats = jax.vjp(self.apply, chunk, x, has_aux=True)
+            return y, pb, [], stats
+        y, pb, (taps, stats) = jax.vjp(self.probed, chunk, x, self._probes(), has_aux=True)
+        return y, pb, taps, stats
 
     # ---- what the forward leaves behind ------------------------------------------------------
 
     def _residual_leaves(self, chunk: Any, x: jax.Array) -> Leaves:
-        y, pb, _ = self._vjp(chunk, x)
+        _, pb, _, _ = self._vjp(chunk, x)
         leaves, treedef = jax.tree_util.tree_flatten(pb)
         plist = jax.tree.leaves(chunk)
         pos = tuple(next((i for i, q in enumerate(plist) if q is leaf), -1) for leaf in leaves)
@@ -143,23 +161,54 @@ class Stage:
             raise RuntimeError("stage VJP structure changed between traces")
         return [leaf for leaf, i in zip(leaves, pos, strict=True) if i < 0]
 
-    def forward(self, chunk: Any, x: jax.Array) -> tuple[jax.Array, Leaves, Leaves]:
-        """``F``: the stage output, the stash leaves and the taps (split, residual mode)."""
+    def forward(self, chunk: Any, x: jax.Array) -> tuple[jax.Array, Leaves, Leaves, Any]:
+        """``F``: the stage output, the stash leaves, the taps (split, residual mode) and the
+        layers' statistics."""
         if self.p.recompute:
-            y = self.probed(chunk, x, self._probes())[0] if self.split else self.apply(chunk, x)
-            return y, [x], []
-        y, pb, taps = self._vjp(chunk, x)
+            layer = self._layer(self.p.layer)
+
+            def body(h, lp):
+                y, stats = layer(lp, h)
+                return y, (h, stats)
+
+            y, (inputs, stats) = jax.lax.scan(body, x, chunk)
+            return y, [inputs], [], stats
+        y, pb, taps, stats = self._vjp(chunk, x)
         leaves = jax.tree.leaves(pb)
         if len(leaves) != len(self._param_pos):
             raise RuntimeError("stage VJP structure changed between traces")
         stash = [leaf for leaf, i in zip(leaves, self._param_pos, strict=True) if i < 0]
-        return y, stash, list(taps)
+        return y, stash, list(taps), stats
+
+    def _recompute_pullback(self, chunk: Any, inputs: jax.Array) -> Callable:
+        """Recompute mode: ``g -> (d chunk, dx[, dys, taps])``, the layers last to first, each
+        re-run under its own VJP from its input (split: its probed form, whose VJP also gives
+        the weight dots' output cotangents and whose forward gives their taps)."""
+        split = self.split
+
+        def probed(lp, x, probes):  # (y, (taps, stats)): the VJP's output and auxiliaries
+            y, taps, stats = split.forward(lp, x, probes)
+            return y, (taps, stats)
+
+        def body(g, xs):
+            lp, x = xs
+            if split is None:
+                _, pb, _ = jax.vjp(self._layer(self.p.layer), lp, x, has_aux=True)
+                d_lp, dx = pb(g)
+                return dx, d_lp
+            probes = [jnp.zeros(s.shape, s.dtype) for s in split.probe_shapes]
+            _, pb, (taps, _) = jax.vjp(self._layer(probed), lp, x, probes, has_aux=True)
+            d_lp, dx, dys = pb(g)
+            return dx, (d_lp, dys, taps)
+
+        def pullback(g):
+            dx, out = jax.lax.scan(body, g, (chunk, inputs), reverse=True)
+            return (out, dx) if split is None else (out[0], dx, out[1], out[2])
+
+        return pullback
 
     def _pullback(self, chunk: Any, stash: Leaves):
-        """``(pullback, taps)`` from the stash and the current parameters."""
-        if self.p.recompute:
-            _, pb, taps = self._vjp(chunk, stash[0])
-            return pb, list(taps)
+        """``(pullback, taps)`` from the stash and the current parameters (residual mode)."""
         plist, it = jax.tree.leaves(chunk), iter(stash)
         leaves = [plist[i] if i >= 0 else next(it) for i in self._param_pos]
         return jax.tree_util.tree_unflatten(self._treedef, leaves), []
@@ -169,6 +218,8 @@ class Stage:
     def backward(self, chunk: Any, stash: Leaves, taps: Leaves, g: jax.Array):
         """``B``: ``(d chunk, dx)``; with a split backward, ``I`` then ``W``."""
         if self.split is None:
+            if self.p.recompute:
+                return self._recompute_pullback(chunk, stash[0])(g)
             pb, _ = self._pullback(chunk, stash)
             return pb(g)
         d_small, dx, wpend = self.input_grads(chunk, stash, g)
@@ -177,6 +228,9 @@ class Stage:
 
     def input_grads(self, chunk: Any, stash: Leaves, g: jax.Array):
         """``I``: ``(d chunk through no weight dot, dx, what W needs)``."""
+        if self.p.recompute:  # W needs the taps too: filed beside the dys
+            d_small, dx, dys, taps = self._recompute_pullback(chunk, stash[0])(g)
+            return d_small, dx, list(dys) + list(taps)
         pb, taps = self._pullback(chunk, stash)
         d_small, dx, dys = pb(g)
         return d_small, dx, list(dys) + taps

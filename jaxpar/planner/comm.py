@@ -157,7 +157,8 @@ def ep_term(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Sh
     wc = DTYPE_BYTES[lay.compute_dtype]
     fig = MOE.figures(model, lay, shape.microbatch_size(lay) or 1, shape.seq, wc, hw.platform)
     buffer = fig.moved * model.d_model * wc
-    calls = round(fig.a2a_bytes / buffer) * model.moe_layers() * lay.microbatches
+    # this rank's MoE layers: a pipeline stage holds pp-th of them
+    calls = round(fig.a2a_bytes / buffer) * (model.moe_layers() // lay.pp) * lay.microbatches
     stride = lay.sp * lay.tp
     wire = buffer * T.ring_factor(lay.ep)  # a tiled all-to-all keeps 1/ep, sends the rest
     ct = call_time(hw, "all-to-all", wire, lay.ep, stride)

@@ -189,14 +189,15 @@ def optimizer_time(model: ModelConfig, lay: LayoutConfig, mem_bw: float) -> floa
     return OPTIMIZER_BYTES * held / mem_bw
 
 
-def _pipeline(model, hw, lay, shape, ex, lt, costs) -> tuple[PipeFigures | None, float, list]:
-    """(figures, bubble seconds, pipeline comm terms) of a pipeline layout."""
+def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0) -> tuple:
+    """(figures, bubble seconds, pipeline comm terms) of a pipeline layout; ``moe_fwd``: a
+    rank's MoE forward beyond its dense FFNs for one micro-batch."""
     if lay.pp == 1:
         return None, 0.0, []
     layers = model.n_layers // lay.pp
     pf = figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, ex.lockstep,
                  memory=lay.pipeline_memory)  # fmt: skip
-    f_stage = layers * lt.forward
+    f_stage = layers * lt.forward + moe_fwd
     bubble = max(0.0, (pf.makespan - pf.busy) * f_stage)
     tick = f_stage / lay.virtual  # one chunk's forward: the compute beside a send
     return pf, bubble, [CM.pp_term(model, hw, lay, shape, pf.sends, tick, ex.overlap_p2p)]
@@ -219,14 +220,14 @@ def step_cost(
     layers, m = model.n_layers // lay.pp, lay.microbatches
     head = head_time(model, hw, lay, shape, mem_bw)
     costs = action_costs(lay, executor, lt)
-    pf, bubble, pp_terms = _pipeline(model, hw, lay, shape, executor, lt, costs)
+    moe_fwd = 0.0  # this rank's MoE layers (a pipeline stage holds pp-th of them)
+    if model.moe.enabled:
+        moe_fwd = model.moe_layers() // lay.pp * moe_ffn_delta(model, hw, lay, shape)
+    pf, bubble, pp_terms = _pipeline(model, hw, lay, shape, executor, lt, costs, moe_fwd)
     comm = [*CM.layer_terms(lt, layers * m, lay.remat == "full"), *pp_terms]
     comm += CM.dp_terms(model, hw, lay, shape, lt, executor)
-    moe_fwd = 0.0
-    if model.moe.enabled:
-        moe_fwd = model.moe_layers() * moe_ffn_delta(model, hw, lay, shape)
-        if lay.ep > 1:
-            comm.append(CM.ep_term(model, hw, lay, shape))
+    if model.moe.enabled and lay.ep > 1:
+        comm.append(CM.ep_term(model, hw, lay, shape))
     host = TR.host_traffic(model, lay, shape, activation_host_bytes)
     terms = {
         "compute": m * (layers * 3 * lt.compute + 3 * moe_fwd + head),

@@ -19,7 +19,9 @@ all call. Breakdown (bytes on the most loaded device; ``host`` apart):
   (``Executor.zero3_layers``: gathered weights and unreduced gradient; XLA:GPU only).
 * ``head``: the loss's fp32 logits-sized buffers (``dense``), or a chunk of them.
 * ``pipeline``: the executor's message slots, the stash-sized sets a tick holds beyond the
-  schedule's peak (``Executor.tick_stashes``), and the head/embedding gradient accumulators
+  schedule's peak (``Executor.tick_stashes``), a backward tick's chunk gradient before it is
+  accumulated, a split backward's buffers from ``I`` to ``W`` (:func:`pending_w_bytes`),
+  and the head/embedding gradient accumulators
   (pp > 1: every rank carries one slot of each, live on its owner, :mod:`jaxpar.pipeline.rest`;
   stage 0 embeds each micro-batch in its forward, so no embedded batch is held).
 
@@ -37,7 +39,7 @@ import dataclasses
 from jaxpar.analysis.theory import DTYPE_BYTES, zero_model_states
 from jaxpar.config import LayoutConfig, ModelConfig
 from jaxpar.planner import moe as MOE
-from jaxpar.planner.activations import block_residuals
+from jaxpar.planner.activations import block_residuals, kv_heads_local
 from jaxpar.planner.cost import action_costs
 from jaxpar.planner.frameworks import JAXPAR, Executor, for_model
 from jaxpar.planner.pipe import PipeFigures, figures
@@ -95,6 +97,7 @@ def memory(
     head = XLA_HEAD * 4 * head_tokens * vocab
 
     pipeline = _pipeline_bytes(model, lay, executor, pipe, pc, tokens, per_layer, acts + grads)
+    pipeline += pending_w_bytes(model, lay, pipe, b, shape.seq)
     out = {
         "batch": 4 * (shape.global_batch // lay.dp) * (shape.seq + 1),  # int32 tokens shard
         "params": params,
@@ -127,9 +130,11 @@ def _activations(model, lay, shape, executor, pipe, pc, tokens) -> tuple[float, 
     per_layer = res.bytes(tokens, wc)
     acts = per_layer * chunk * max(pipe.peak_stashes) if lay.pp > 1 else per_layer * layers
     rows = shape.microbatch_size(lay) or 1
-    if model.moe.enabled:  # MoE runs without a pipeline (validation): its blocks apart
-        acts += model.moe_layers() * (_moe_layer(model, lay, shape, executor, remat, rows, wc)
-                                      - per_layer)  # fmt: skip
+    if model.moe.enabled:  # the MoE blocks' residuals in place of the dense ones'
+        held = model.moe_layers()  # without a pipeline: every layer's, once
+        if lay.pp > 1:  # a chunk's MoE blocks, per stashed micro-batch (pp: first_dense 0)
+            held = model.moe_layers() // (lay.pp * lay.virtual) * max(pipe.peak_stashes)
+        acts += held * (_moe_layer(model, lay, shape, executor, remat, rows, wc) - per_layer)
 
     def layer_bytes(policy: str) -> float:
         dense = block_residuals(model, lay, shape.seq, executor.attention, policy).bytes(tokens, wc)
@@ -140,11 +145,9 @@ def _activations(model, lay, shape, executor, pipe, pc, tokens) -> tuple[float, 
     if remat == "offload":  # the matmul outputs of every layer park on the host
         host += layer_bytes("selective") * layers * pipe.peak_stashes[0]
     full_layer = layer_bytes("none")
-    if remat == "full" and lay.pp > 1:
-        # A stage's backward is one vjp of its chunk: the recomputed forward holds every layer's
-        # residuals of the chunk at once (the layer scan inside a stage), then its transients.
-        acts += (chunk + XLA_BACKWARD) * full_layer
-    elif remat in ("selective", "full"):
+    # Recompute re-runs one layer at a time, in a pipeline stage too (its stash holds each
+    # layer's input: jaxpar.pipeline.stage).
+    if remat in ("selective", "full"):
         acts += XLA_RECOMPUTE * full_layer
     else:
         acts += XLA_BACKWARD * full_layer
@@ -183,8 +186,60 @@ def _pipeline_bytes(model, lay, executor, pipe, pc, tokens, per_layer, carried) 
     pipeline = msg * (n_act + n_grad + n_cot)  # receive slots and the loss cotangents
     pipeline += executor.tick_stashes * per_layer * chunk  # the tick's own residual sets
     pipeline += wp * (pc.local - pc.blocks)  # head/embedding grads accumulator
+    # A backward tick's chunk gradient, before the accumulator adds it (Executor.tick_grads;
+    # a shard from ZeRO-2 on: reduce-scattered per micro-batch inside the branch).
+    blocks = pc.blocks * (pc.sharded / pc.local if lay.zero >= 2 else 1.0)
+    pipeline += executor.tick_grads * wp * blocks / lay.virtual
     # The scan carries the stashes and the gradient accumulators (Executor.carry_copies).
     return pipeline + executor.carry_copies * (carried + pipeline)
+
+
+def _dot_operands(model: ModelConfig, lay: LayoutConfig, tokens: float, slots: int,
+                  moe: bool) -> tuple[float, float]:  # fmt: skip
+    """(activation operand, output) values of one block's weight matmuls for ``tokens``
+    local tokens in the compute dtype (:mod:`jaxpar.pipeline.split`: the taps and the dys),
+    fp32 router values counted twice; a MoE block's routed experts on ``slots`` dispatch
+    slots, its shared experts as its FFN."""
+    d, t = model.d_model, lay.tp
+    q, kv = model.n_heads * model.hd / t, kv_heads_local(model, lay) * model.hd
+    taps, dys = d + q, (q + 2 * kv) + d  # fused QKV, output projection
+    ff = model.d_ff / t
+    if moe:
+        e, f = model.moe, model.expert_ff / t
+        ff = e.shared_experts * model.expert_ff / t
+        taps, dys = taps + 2 * d, dys + 2 * e.experts  # router (fp32)
+        routed_taps, routed_dys = slots * (2 * d + f), slots * (2 * f + d)
+    if ff:  # fused gate/up, down
+        taps, dys = taps + d + ff, dys + 2 * ff + d
+    taps, dys = taps * tokens, dys * tokens
+    if moe:
+        taps, dys = taps + routed_taps, dys + routed_dys
+    return taps, dys
+
+
+def pending_w_bytes(model: ModelConfig, lay: LayoutConfig, pipe: PipeFigures, rows: int,
+                    seq: int) -> float:  # fmt: skip
+    """A split backward's buffers from ``I`` to ``W`` (zero-bubble schedules): per slot, every
+    weight matmul's output cotangent (dys) of a chunk's layers, and its activation operand
+    (taps) — in the forward's taps slots, or under recompute filed beside the dys; plus the
+    set an ``I`` returns (stacked over the chunk's layers) before it is filed."""
+    n_taps, n_dys = pipe.w_slots
+    if lay.pp == 1 or not n_dys:
+        return 0.0
+    wc = DTYPE_BYTES[lay.compute_dtype]
+    tokens = rows * seq / lay.sp
+    _, n = model.stack()
+    chunk = n // (lay.pp * lay.virtual)
+    if model.moe.enabled:  # a group: its every-1 dense blocks, then its MoE block
+        dense = _dot_operands(model, lay, tokens, 0, False)
+        moe = _dot_operands(model, lay, tokens, MOE.slots(model, rows, seq), True)
+        taps = moe[0] + (model.moe.every - 1) * dense[0]
+        dys = moe[1] + (model.moe.every - 1) * dense[1]
+    else:
+        taps, dys = _dot_operands(model, lay, tokens, 0, False)
+    if lay.remat == "full":
+        return wc * chunk * (n_dys + 1) * (taps + dys)
+    return wc * chunk * (n_taps * taps + (n_dys + 1) * dys)
 
 
 def paper_model_states(model: ModelConfig, lay: LayoutConfig) -> dict[str, float]:

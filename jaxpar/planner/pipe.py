@@ -50,6 +50,9 @@ class PipeFigures:
     # stage's loss cotangents waiting for their backward.
     slots: tuple[int, int, int]
     extrapolated: bool
+    # Split backward (zero-bubble schedules): slots of the weight matmuls' activation operands
+    # kept for W (taps) and of their output cotangents filed by I (dys).
+    w_slots: tuple[int, int] = (0, 0)
 
     @property
     def bubble_fraction(self) -> float:
@@ -83,7 +86,8 @@ def _table(kind: str, p: int, m: int, v: int, memory: str) -> tuple:
         ((sends != SEND_NONE) & (sends != SEND_LOCAL)).sum(axis=0)
         for sends in (table.f_send, table.b_send)
     )
-    slots = (table.slots.act, table.slots.grad, table.slots.cot)
+    slots = (table.slots.act, table.slots.grad, table.slots.cot, table.slots.taps,
+             table.slots.dys)  # fmt: skip
     st = stats(sched)
     # Lock-step peaks: what the executor holds (the memory mode's table: lean caps them).
     return sched, st.lockstep_ticks, int(np.max(remote)), tuple(st.peak_stashes), slots
@@ -138,7 +142,8 @@ def figures(
         busy += (busy2 - busy) * periods
         ticks += round((t2 - ticks) * periods)
         sends += round((s2 - sends) * periods)
+    slots, w_slots = slots[:3], slots[3:]
     if kind == "gpipe":  # every forward before any backward: m stashes and loss cotangents
         peaks = tuple(m * v for _ in peaks)
         slots = (*slots[:2], m)
-    return PipeFigures(makespan, busy, ticks, sends, peaks, slots, extra > 0)
+    return PipeFigures(makespan, busy, ticks, sends, peaks, slots, extra > 0, w_slots)

@@ -6,8 +6,9 @@ layouts the trainer accepts (and, when the trainer learns a new combination, pro
 
 The space: tp (powers of two dividing the head count, up to two nodes), sp (Ulysses or ring),
 pp (dividing the layers and the devices left), dp the rest, and for a MoE model ep (dividing
-dp and the routed experts; the trainer refuses MoE with pp or sp > 1 and hybrid sharding with
-ep, and the predicate below drops those); for pipelines every schedule with
+dp and the routed experts; the trainer refuses MoE with sp > 1, with pp > 1 when dense blocks
+precede the first MoE group, and hybrid sharding with ep, and the predicate below drops
+those); for pipelines every schedule with
 its allowed virtual stages (1F1B in both memory modes from pp 3 on); ZeRO 0–3; the micro-batch size
 (divisors of the per-dp batch up to ``MAX_MB_TOKENS`` tokens, and 1); Megatron sequence
 parallelism with tp; remat and offload.

@@ -140,14 +140,14 @@ def loss_grads_stats(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> tup
             if run is None:
                 loss, g, stats = _local_accumulate(ctx, params, tokens, targets)
             else:
-                loss, g = run.local(params, tokens, targets)
+                loss, g, stats = run.local(params, tokens, targets)
             return red.mean(loss), outer.finish(g), _reduce_stats(red, stats)
 
     if not ctx.manual_axes:  # one dp rank, no pipeline: nothing to make manual
         return body(params, batch_BxT)
     stat_specs = None
-    if ctx.model.cfg.moe.enabled and run is None:  # replicated after _reduce_stats
-        stat_specs = MoeStats(P(), P(), P())
+    if ctx.model.cfg.moe.enabled:  # replicated over dp after _reduce_stats; a stage's on pp
+        stat_specs = MoeStats(*(P() if run is None else P("pp"),) * 3)
     fn = jax.shard_map(
         body,
         in_specs=(outer.param_specs(ndims, lead), P(red.axes, None)),
@@ -160,4 +160,6 @@ def loss_grads_stats(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> tup
         check_vma=False,
     )
     loss, grads, stats = fn(params, batch_BxT)
-    return loss, (grads if run is None else run.unarrange(grads)), stats
+    if run is None:
+        return loss, grads, stats
+    return loss, run.unarrange(grads), run.canonical_stats(stats)

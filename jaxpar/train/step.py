@@ -44,7 +44,7 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
 def make_optimizer(t: TrainConfig, logical_axes: Any) -> optax.GradientTransformation:
     """AdamW with global-norm clipping; no weight decay on norm scales."""
     decay_mask = jax.tree.map(
-        lambda ax: bool(set(ax) - {"layers", STAGE_AXIS, "embed", "expert_bias"}),
+        lambda ax: bool(set(ax) - {"layers", "sublayers", STAGE_AXIS, "embed", "expert_bias"}),
         logical_axes,
         is_leaf=lambda x: isinstance(x, tuple),
     )
@@ -240,7 +240,9 @@ class Trainer:
         lr = lr_schedule(self.cfg.train)(state["step"])
         metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": ok, "leaf_finite": leaf_ok}
         if stats is not None:  # MoE: the balancing bias moves by this step's expert load
-            new_state["params"], moe_metrics = balance(self.cfg.model.moe, new_params, stats, ok)
+            new_state["params"], moe_metrics = balance(
+                self.cfg.model.moe, new_params, stats, ok, self.rest.order
+            )
             metrics.update(moe_metrics)
         return new_state, metrics
 
