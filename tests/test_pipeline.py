@@ -11,8 +11,9 @@ p ∈ {2, 4}, m ∈ {4, 8}, v ∈ {1, 2}, and every layout below with ZeRO 0-3 �
 * p = 2 composed with the other axes, one schedule each: dp 2 × tp 2 with ZeRO 2 on ZB-H1 m 4
   (per-micro-batch reduce-scatter of the split backward's pieces) and ZeRO 0 on interleaved
   v 2 m 4; dp 2 × sp 2 with ring attention and ZeRO 3 on 1F1B m 4, and Ulysses on GPipe m 4
-  under ``remat full``; hybrid sharding (dp 4, dp_shard 2, ZeRO 3) on DualPipeV m 4;
-  optimizer offload on 1F1B m 2 (two steps); tied embeddings on 1F1B.
+  under ``remat full``; dp 2 × tp 2 with ZeRO 3 on 1F1B m 4 under ``remat full`` (each
+  layer's backward re-run from its stashed input); hybrid sharding (dp 4, dp_shard 2, ZeRO 3)
+  on DualPipeV m 4; optimizer offload on 1F1B m 2 (two steps); tied embeddings on 1F1B.
 
 The reference is one device without micro-batching (equal micro-batches: the mean of their
 means is the batch mean); inputs are real text, so a misrouted micro-batch or shard shows.
@@ -104,6 +105,9 @@ LAYOUTS = {
     ),  # fmt: skip
     "dp2-sp2-ulysses-gpipe-full": dict(
         dp=2, sp=2, sp_mode="ulysses", schedule="gpipe", microbatches=4, remat="full"
+    ),  # fmt: skip
+    "dp2-tp2-z3-1f1b-full": dict(
+        dp=2, tp=2, zero=3, schedule="1f1b", microbatches=4, remat="full"
     ),  # fmt: skip
     "dp4-shard2-z3-dualpipev": dict(
         dp=4, dp_shard=2, zero=3, schedule="dualpipev", virtual=2, microbatches=4
