@@ -285,6 +285,13 @@ def stop_after_failure(prefix: str, error: BaseException) -> None:
     from jaxpar.lock import release_all
 
     release_all()
+    # While the watch waits for the dead peer's heartbeat to lapse, the threads the failed
+    # collective left (orbax's background save threads) end with errors of their own, which
+    # they log with tracebacks: the one line below, or the watch's, is what this process says.
+    import logging
+
+    logging.disable(logging.CRITICAL)
+    threading.excepthook = lambda args: None
     watch.join(timeout=watch.timeout_s + 3.0)  # its _lost() exits the process when it names one
     first = (str(error) or type(error).__name__).strip().splitlines()[0][:200]
     print(f"{prefix}: error: {first}; stopping this process", file=sys.stderr, flush=True)

@@ -555,3 +555,38 @@ def test_a_checkpoint_error_from_a_dead_peer_goes_to_the_peer_watch(monkeypatch)
     assert distributed.caused_by_peer(reset)
     assert not distributed.caused_by_peer(disk)
     assert not distributed.caused_by_peer(ConfigError("layout.dp=3: must divide 8"))
+
+
+def test_stopping_after_a_dead_peer_prints_one_line_not_the_save_threads_tracebacks():
+    """While the peer watch waits, orbax's background save threads fail too and log their
+    tracebacks (``logging.exception``) or raise: the stopping process prints its one line only."""
+    code = r"""
+import logging, threading
+from jaxpar import distributed
+
+class Watch(threading.Thread):
+    timeout_s = 0.5
+    _done = threading.Event()
+    def run(self):  # what orbax's failed save threads do meanwhile
+        try:
+            raise RuntimeError("Gloo: Read error: Connection reset by peer")
+        except RuntimeError as e:
+            logging.getLogger("absl").exception("_SignalingThread.run() raised: %s", e)
+        t = threading.Thread(target=lambda: 1 / 0)
+        t.start(); t.join()
+
+distributed._WATCH = Watch()
+distributed._WATCH.start = lambda: None
+distributed._WATCH.join = lambda timeout=None: distributed._WATCH.run()
+distributed.stop_after_failure("jaxpar train", RuntimeError("saving step 6 failed: reset"))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env)  # fmt: skip
+    from jaxpar.distributed import EXIT_PEER_LOST
+
+    assert proc.returncode == EXIT_PEER_LOST, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "jaxpar train: error: saving step 6 failed: reset; stopping this process"
+    ], proc.stderr
