@@ -76,9 +76,6 @@ LAYOUTS = {  # dp counts every data-parallel rank; ep of them hold an expert sha
     "pp2-ep2-dualpipev-remat-full": dict(
         pp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev", virtual=2, remat="full"
     ),  # split backward under recompute: each layer's I re-run from its stashed input
-    "pp2-ep2-zbh1-remat-full": dict(
-        pp=2, dp=2, ep=2, microbatches=2, schedule="zb-h1", remat="full"
-    ),  # fmt: skip
     "pp2-dp4-ep2-zero3-interleaved": dict(
         pp=2, dp=4, ep=2, zero=3, microbatches=2, schedule="interleaved", virtual=2
     ),  # fmt: skip
