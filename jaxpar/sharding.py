@@ -220,6 +220,12 @@ def zero_spec(
     already sharded, and divisible by ``dp`` times their existing shards. A tensor with no
     eligible dimension (e.g. a small norm scale) stays replicated over ``dp``; its bytes are
     negligible and :mod:`jaxpar.analysis` counts it exactly.
+
+    An expert stack ``[E, D, F]`` takes it on its leading ``experts`` dim when that is eligible
+    (no expert parallelism): ZeRO-3's per-layer reduce-scatter then writes each layer's
+    gradient shard in place. On its ``D`` dim XLA:GPU kept transposed ``[D/dp, L, E, F]`` fp32
+    copies of the layer-stacked gradients (Mixtral-8x7b over h100-8, dp 8, ZeRO-3: 144.0 →
+    123.0 GiB per device, the planner's 123.1).
     """
     if dp == 1:
         return spec
@@ -228,6 +234,9 @@ def zero_spec(
     for i, (size, logical) in enumerate(zip(shape, logical_axes, strict=True)):
         if logical in ("layers", "sublayers") or parts[i] is not None or size % dp:
             continue
+        if logical == "experts":  # the leading dim of an expert stack: see the docstring
+            best = i
+            break
         if best is None or size > shape[best]:
             best = i
     if best is None:
