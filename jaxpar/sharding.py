@@ -49,6 +49,7 @@ class Rules:
     attention: str = "local"  # how the attention core is parallelised (ATTENTION_MODES)
     head_shards: int = 1  # devices the attention core's heads are split over (tp or tp·sp)
     tp: int = 1  # tensor-parallel degree (fused column-parallel weights are grouped by it)
+    ep: int = 1  # expert-parallel degree (the routed experts' dim is split over it)
 
     def lookup(self, logical: str | None) -> MeshAxes:
         """Mesh axes a logical axis maps to (first matching rule wins)."""
@@ -128,6 +129,7 @@ def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
         attention=attention,
         head_shards=shards,
         tp=tp,
+        ep=layout.ep,
     )
 
 
@@ -212,8 +214,9 @@ def zero_dim(spec: P, axis: str) -> int | None:
 
 
 def zero_spec(
-    spec: P, shape: Sequence[int], logical_axes: Sequence[str | None], dp: int, axis: str = "dp"
-) -> P:
+    spec: P, shape: Sequence[int], logical_axes: Sequence[str | None], dp: int, axis: str = "dp",
+    ep: int = 1,
+) -> P:  # fmt: skip
     """Add ``axis`` (``dp``) to ``spec`` on the largest dimension that can take it.
 
     Eligible dimensions are not ``layers``/``sublayers`` (the layer scans slice them), not
@@ -221,8 +224,10 @@ def zero_spec(
     eligible dimension (e.g. a small norm scale) stays replicated over ``dp``; its bytes are
     negligible and :mod:`jaxpar.analysis` counts it exactly.
 
-    An expert stack ``[E, D, F]`` takes it on its leading ``experts`` dim when that is eligible
-    (no expert parallelism): ZeRO-3's per-layer reduce-scatter then writes each layer's
+    An expert stack ``[E, D, F]`` takes it on its leading ``experts`` dim: alone without expert
+    parallelism, beside ``ep`` (``("ep", axis)``, ep-major: an ep rank's ``E/ep`` experts are
+    its ``edp`` group's shards, and ZeRO-3's gather over ``edp`` gives them back) when ``E`` is
+    divisible by ``ep · dp``. ZeRO-3's per-layer reduce-scatter then writes each layer's
     gradient shard in place. On its ``D`` dim XLA:GPU kept transposed ``[D/dp, L, E, F]`` fp32
     copies of the layer-stacked gradients (Mixtral-8x7b over h100-8, dp 8, ZeRO-3: 144.0 →
     123.0 GiB per device, the planner's 123.1).
@@ -230,6 +235,10 @@ def zero_spec(
     if dp == 1:
         return spec
     parts = list(spec) + [None] * (len(shape) - len(spec))
+    for i, (size, logical) in enumerate(zip(shape, logical_axes, strict=True)):
+        if logical == "experts" and parts[i] in ("ep", ("ep",)) and size % (ep * dp) == 0:
+            parts[i] = ("ep", axis)  # beside ep: see the docstring
+            return P(*parts)
     best = None
     for i, (size, logical) in enumerate(zip(shape, logical_axes, strict=True)):
         if logical in ("layers", "sublayers") or parts[i] is not None or size % dp:
@@ -265,7 +274,7 @@ def param_specs(logical_tree, shape_tree, rules: Rules, dp: int, shard_dp: bool,
 
     def one(logical, shape):
         spec = rules.spec(logical)
-        return zero_spec(spec, shape, logical, dp, axis) if shard_dp else spec
+        return zero_spec(spec, shape, logical, dp, axis, rules.ep) if shard_dp else spec
 
     return jax.tree.map(one, logical_tree, shape_tree, is_leaf=lambda x: isinstance(x, tuple))
 

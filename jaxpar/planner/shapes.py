@@ -154,7 +154,7 @@ def _counts(key: tuple, tp: int, pp: int, dp: int, dp_shard: int, zero: int, ep:
     tensors = {}
     for path, shape, logical in _descriptor(key):
         spec = rules.spec(logical)
-        zspec = shd.zero_spec(spec, shape, logical, nz, zaxis)
+        zspec = shd.zero_spec(spec, shape, logical, nz, zaxis, rules.ep)
         tensors[path] = (math.prod(shape), _split(shape, spec, sizes), _split(shape, zspec, sizes))
     return ParamCounts(tensors, nz, zero)
 

@@ -83,8 +83,8 @@ def _spec_on(dim: int, ndim: int, axis: str, lead: tuple = (), ep_dim: int = -1)
         parts[i] = a
     if dim >= 0:
         parts[dim] = axis
-    if ep_dim >= 0:
-        parts[ep_dim] = "ep"
+    if ep_dim >= 0:  # on the ZeRO dim too: ep-major (sharding.zero_spec)
+        parts[ep_dim] = ("ep", axis) if ep_dim == dim else "ep"
     while parts and parts[-1] is None:
         parts.pop()
     return P(*parts)
