@@ -8,13 +8,12 @@ import jax
 import numpy as np
 import pytest
 from conftest import small_config
+from test_moe import _assert_close, _batch, _trainer
 
 from jaxpar import config as C
 from jaxpar import validation as V
 from jaxpar.analysis.hlo import collective_bytes
-from jaxpar.devices import make_mesh
 from jaxpar.errors import ConfigError
-from jaxpar.train.step import Trainer
 
 SEQ, BATCH, D, E = 16, 8, 32, 8
 
@@ -34,17 +33,6 @@ def moe_config(capacity_factor=0.0, every=1, aux_loss=0.01, **layout) -> C.RunCo
     return cfg
 
 
-def _trainer(cfg) -> Trainer:
-    return Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
-
-
-def _batch(tr: Trainer) -> jax.Array:
-    """Rank-coded rows: row r starts with token r, so a row routed to the wrong rank shows."""
-    rows = np.random.default_rng(0).integers(0, 64, (BATCH, SEQ + 1)).astype(np.int32)
-    rows[:, 0] = np.arange(BATCH)
-    return jax.device_put(rows, tr.batch_sharding)
-
-
 def _grads(cfg):
     """Loss and canonical-order gradients from the layout's own initial params (the same
     values on every layout: partitionable threefry)."""
@@ -57,17 +45,6 @@ def _grads(cfg):
 @cache
 def _reference(every=1):
     return _grads(moe_config(every=every))[1:]
-
-
-def _assert_close(got, ref):
-    """Every leaf within 1e-4 of the reference, relative to the leaf's largest entry."""
-
-    def one(path, a, b):
-        scale = float(np.max(np.abs(b))) or 1.0
-        err = float(np.max(np.abs(a - b))) / scale
-        assert err < 1e-4, (jax.tree_util.keystr(path), err)
-
-    jax.tree_util.tree_map_with_path(one, got, ref)
 
 
 LAYOUTS = {  # dp counts every data-parallel rank; ep of them hold an expert shard each
