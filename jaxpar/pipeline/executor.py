@@ -153,21 +153,25 @@ class _Program:
 
     # ---- forward phase ----------------------------------------------------------------------
 
+    def _keep(self, stats: Any) -> Any:
+        """A stage's statistics as the phase outputs hold them: None where its layers report
+        none (a dense layer's ``()``), so every branch returns one structure."""
+        return stats if self.stage.stats_shapes is not None else None
+
     def f_idle(self, xs: TickIn, x_in: jax.Array) -> ForwardOut:
         return ops.fresh(self.f_shapes)
 
     def f_fwd(self, xs: TickIn, x_in: jax.Array) -> ForwardOut:
         row, train = xs.row, self.train
         s, j = row.f_stage, row.f_mb
-        keep = lambda st: st if self.f_shapes.stats is not None else None  # noqa: E731
         embed = lambda: self.model.embed(self.params.embed, self.tokens[j]).astype(self.dtype)  # noqa: E731
         x_in = cond(s == 0, embed, lambda: x_in, self.w.embed)
         if train:
             y, stash, taps, stats = self.stage.forward(self.chunk(row.f_chunk), x_in)
-            out = ops.fresh(self.f_shapes, y=y, stash=stash, taps=taps, stats=keep(stats))
+            out = ops.fresh(self.f_shapes, y=y, stash=stash, taps=taps, stats=self._keep(stats))
         else:
             y, stats = self.stage.apply(self.chunk(row.f_chunk), x_in)
-            out = ops.fresh(self.f_shapes, y=y, stats=keep(stats))
+            out = ops.fresh(self.f_shapes, y=y, stats=self._keep(stats))
         loss_of = self._loss_of(j)
 
         def at_head(y):
@@ -206,7 +210,7 @@ class _Program:
             d_chunk, dx = self.stage.backward(ch, stash, [], dy.astype(y.dtype))
             return ops.fresh(self.b_shapes, loss=loss, d_head=d_head, dx=dx,
                              d_chunk=self.reduce(d_chunk),
-                             stats=stats if self.b_shapes.stats is not None else None)  # fmt: skip
+                             stats=self._keep(stats))  # fmt: skip
 
         def fb_loss(ch, hp, x):
             y, stats = self.stage.apply(ch, x)
@@ -217,7 +221,7 @@ class _Program:
         )(self.chunk(row.f_chunk), self.params.head, ins.x)
         d_chunk = self.reduce(d_chunk)
         return ops.fresh(self.b_shapes, loss=loss, d_head=d_head, dx=dx, d_chunk=d_chunk,
-                         stats=stats if self.b_shapes.stats is not None else None)  # fmt: skip
+                         stats=self._keep(stats))  # fmt: skip
 
     def embed_grad(self, row: TickTable, dx: jax.Array) -> Any:
         # Stage 0's input cotangent is the embedding's: its gradient is taken here (ZeRO-3: the
