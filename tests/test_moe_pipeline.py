@@ -49,7 +49,6 @@ def _reference(every=1):
 
 LAYOUTS = {  # dp counts every data-parallel rank; ep of them hold an expert shard each
     "pp2-ep2-1f1b": dict(pp=2, dp=2, ep=2, microbatches=2, schedule="1f1b"),
-    "pp2-ep2-dualpipev": dict(pp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev", virtual=2),
     "pp2-ep2-dualpipev-remat-full": dict(
         pp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev", virtual=2, remat="full"
     ),  # split backward under recompute: each layer's I re-run from its stashed input

@@ -99,11 +99,11 @@ def test_ragged_matches_one_padded_device(name, emulated):
 
 
 def test_ragged_in_a_pipeline_stage_matches_one_device(emulated):
-    """pp 2 x ep 2 under DualPipeV (two micro-batches' ticks fused): the ragged exchange inside
-    the stages gives one padded device's loss and gradients."""
+    """pp 2 x ep 2 under 1F1B (a backward and a forward in one tick): the ragged exchange
+    inside the stages gives one padded device's loss and gradients."""
     import test_moe_pipeline as MP
 
-    cfg = MP.moe_config(pp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev", virtual=2)
+    cfg = MP.moe_config(pp=2, dp=2, ep=2, microbatches=2, schedule="1f1b")
     cfg.model.moe = dataclasses.replace(cfg.model.moe, dispatch="ragged")
     _, loss, g = MP._grads(cfg)
     ref_loss, ref = MP._reference()
