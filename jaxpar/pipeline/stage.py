@@ -14,11 +14,11 @@ in a later one. Between the two, what the backward needs lives in fixed slot buf
 * **recompute mode** (``remat full``): the slot holds each layer's input ``[Lc, ...]``; every
   backward piece runs the chunk's layers last to first, each re-running its own forward under
   ``jax.vjp`` from its input, so one layer's residuals exist at a time (as ``remat full``
-  without a pipeline). Re-running the whole chunk under one VJP from the stage input would
-  hold every layer's residuals of the chunk at once: on Mixtral-8x7b's dropless MoE layers,
-  about 11.5 GiB per layer and micro-batch of 8192 tokens, times the chunk's layers, times
-  the backward branches XLA:GPU gives buffers of their own (DualPipeV, 2 layers per chunk:
-  82 GiB of temporaries; 4 layers: 175 GiB).
+  without a pipeline). Re-running the whole chunk under one VJP from the stage input held
+  every layer's residuals of the chunk at once (XLA:GPU, Mixtral-8x7b's shape with 8 layers,
+  pp 2 × dp 4 × ep 2, 1F1B, 8192-token micro-batches: 78.1 GiB of temporaries, 34.2 one
+  layer at a time; XLA:CPU test model: ``tests/test_pipeline.py::test_recompute_holds_one_layers_
+  residuals``).
 
 Split backward (zero-bubble schedules, :mod:`jaxpar.pipeline.split`): the forward also keeps
 each weight matmul's activation operand (the *taps*, a buffer of their own); ``I`` returns the
@@ -127,14 +127,13 @@ class Stage:
     def probed(self, chunk: Any, x: jax.Array, probes: Leaves):
         """The stage with each weight dot probed (split mode): the output and, as the VJP's
         auxiliary output, the stacked taps and statistics."""
-        layer = self._layer(self.split.forward)
+        layer = self._layer(self._probed_layer)
+        return jax.lax.scan(lambda h, xs: layer(xs[0], h, xs[1]), x, (chunk, probes))
 
-        def body(h, xs):
-            lp, pr = xs
-            y, taps, stats = layer(lp, h, pr)
-            return y, (taps, stats)
-
-        return jax.lax.scan(body, x, (chunk, probes))
+    def _probed_layer(self, lp: Any, x: jax.Array, probes: Leaves):
+        """One layer's probed form: ``(y, (taps, stats))``, its VJP's output and auxiliaries."""
+        y, taps, stats = self.split.forward(lp, x, probes)
+        return y, (taps, stats)
 
     def _probes(self) -> Leaves:
         return [jnp.zeros((self.n_layers, *s.shape), s.dtype) for s in self.split.probe_shapes]
@@ -186,10 +185,6 @@ class Stage:
         the weight dots' output cotangents and whose forward gives their taps)."""
         split = self.split
 
-        def probed(lp, x, probes):  # (y, (taps, stats)): the VJP's output and auxiliaries
-            y, taps, stats = split.forward(lp, x, probes)
-            return y, (taps, stats)
-
         def body(g, xs):
             lp, x = xs
             if split is None:
@@ -197,7 +192,8 @@ class Stage:
                 d_lp, dx = pb(g)
                 return dx, d_lp
             probes = [jnp.zeros(s.shape, s.dtype) for s in split.probe_shapes]
-            _, pb, (taps, _) = jax.vjp(self._layer(probed), lp, x, probes, has_aux=True)
+            _, pb, (taps, _) = jax.vjp(self._layer(self._probed_layer), lp, x, probes,
+                                       has_aux=True)  # fmt: skip
             d_lp, dx, dys = pb(g)
             return dx, (d_lp, dys, taps)
 
