@@ -66,8 +66,14 @@ def test_tp_ulysses_ring_pipeline_comm():
     b, s, h, t = 2, 1024, 4096, 4
     tp = th.tp_comm_elements_per_layer(b, s, h, t)
     tp_sp = th.tp_comm_elements_per_layer(b, s, h, t, sequence_parallel=True)
-    assert tp["elements"] == pytest.approx(8 * b * s * h * 3 / 4) == tp_sp["elements"]
-    assert tp["ops"] == {"all-reduce": 4} and sum(tp_sp["ops"].values()) == 8
+    one = b * s * h * 3 / 4
+    assert tp["elements"] == pytest.approx(8 * one) and tp["ops"] == {"all-reduce": 4}
+    # SP: the backward gathers the column-parallel inputs again (the shard is what is kept)
+    assert tp_sp["elements"] == pytest.approx(10 * one)
+    assert tp_sp["ops"] == {"all-gather": 6, "reduce-scatter": 4}
+    full = th.tp_comm_elements_per_layer(b, s, h, t, True, "full")
+    assert full["ops"] == {"all-gather": 6, "reduce-scatter": 6}
+    assert th.tp_comm_elements_per_layer(b, s, h, t, recompute="full")["elements"] == 10 * one
     assert th.tp_comm_elements_per_layer(b, s, h, 1)["elements"] == 0
     n_tok, p = b * s, 4
     uly = th.ulysses_comm_elements_per_layer(n_tok, h, p)

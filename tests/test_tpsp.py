@@ -88,9 +88,12 @@ def _check_collectives(name: str, got: dict) -> None:
         big = tpsp.per_layer(got["report"], cfg.model.n_layers, min_bytes=act)
         if lay.sequence_parallel:
             # 2 all-gathers into the column-parallel matmuls per pass, 2 reduce-scatters out of
-            # the row-parallel ones (CPU: all-reduce of the full buffer + local slice).
+            # the row-parallel ones (CPU: all-reduce of the full buffer + local slice); the
+            # backward gathers the two inputs again for the weight gradients (the sequence
+            # shard is kept for the backward, not the gathered copy).
+            assert big.get("all-gather", ("tp",), "fwd") == (2, 2 * act)
+            assert big.get("all-gather", ("tp",), "bwd") == (4, 4 * act)
             for phase in ("fwd", "bwd"):
-                assert big.get("all-gather", ("tp",), phase) == (2, 2 * act)
                 assert big.get("all-reduce", ("tp",), phase) == (2, 2 * act)
         else:
             for phase in ("fwd", "bwd"):

@@ -106,18 +106,27 @@ def ring_factor(n: int) -> float:
 
 
 def tp_comm_elements_per_layer(
-    b: int, s: int, h: int, t: int, sequence_parallel: bool = False
+    b: int, s: int, h: int, t: int, sequence_parallel: bool = False, recompute: str = "none"
 ) -> dict[str, float]:
     """Megatron TP traffic per layer per micro-batch (forward + backward), per device.
 
     Without SP: 4 all-reduces (2 forward: after attention-out and MLP-down; 2 backward: the
     conjugate ones at the column-parallel inputs) of a b·s·h buffer, each 2·bsh·(t−1)/t
-    → 8·bsh·(t−1)/t. With SP each all-reduce becomes reduce-scatter + all-gather (4 of each,
-    bsh·(t−1)/t apiece): the same 8·bsh·(t−1)/t.
+    → 8·bsh·(t−1)/t; a full recompute adds the first forward all-reduce again (the second's
+    result is dead in the backward) → 10·bsh·(t−1)/t. With SP each all-reduce becomes
+    reduce-scatter + all-gather (bsh·(t−1)/t apiece), and the backward all-gathers the two
+    column-parallel inputs again for their weight gradients (Megatron-LM's choice, which
+    jaxpar's remat policies make too: the sequence-sharded input is kept, not the gathered
+    one): 6 all-gathers and 4 reduce-scatters → 10·bsh·(t−1)/t; under a full recompute the
+    forward's four calls are repeated instead of the two gathers → 12·bsh·(t−1)/t.
     """
     one = b * s * h * ring_factor(t)
-    ops = {"all-gather": 4, "reduce-scatter": 4} if sequence_parallel else {"all-reduce": 4}
-    return {"ops": ops, "elements": 8 * one}
+    full = recompute == "full"
+    if sequence_parallel:
+        ops = {"all-gather": 6, "reduce-scatter": 6 if full else 4}
+        return {"ops": ops, "elements": sum(ops.values()) * one}
+    ops = {"all-reduce": 5 if full else 4}
+    return {"ops": ops, "elements": 2 * ops["all-reduce"] * one}
 
 
 def ulysses_comm_elements_per_layer(

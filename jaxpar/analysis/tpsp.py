@@ -83,7 +83,9 @@ def expected_per_layer(cfg: RunConfig) -> dict[str, float]:
     out: dict[str, float] = {}
     if lay.tp > 1:
         # TP collectives act on the tokens a device holds: s/sp of the sequence.
-        tp = theory.tp_comm_elements_per_layer(b, s // lay.sp, h, lay.tp, lay.sequence_parallel)
+        tp = theory.tp_comm_elements_per_layer(
+            b, s // lay.sp, h, lay.tp, lay.sequence_parallel, lay.remat
+        )
         out["tp_wire_bytes"] = tp["elements"] * F32
     if lay.sp > 1:
         from jaxpar.model.attention import kv_repeat  # noqa: PLC0415

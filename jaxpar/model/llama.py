@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.block import Block
-from jaxpar.model.layers import Attend, RMSNorm
+from jaxpar.model.layers import Attend, RMSNorm, gather_sequence
 from jaxpar.model.names import weight
 from jaxpar.sharding import constrain
 
@@ -91,7 +91,7 @@ class Head(nnx.Module):
     def _hidden(self, x_BxSxD: jax.Array, table_VxD: jax.Array | None):
         # Norm on the (sequence-sharded under SP) residual stream, then all-gather over tp into
         # the column-parallel vocabulary projection.
-        h = constrain(self.norm(x_BxSxD), ("batch", "seq", "embed"))
+        h = gather_sequence(self.norm(x_BxSxD))
         w_DxV = table_VxD.T if table_VxD is not None else self.w_out[...]
         return h, weight(w_DxV.astype(h.dtype))
 

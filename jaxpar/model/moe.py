@@ -65,7 +65,7 @@ from flax import nnx
 from jaxpar.config import ModelConfig, MoeConfig
 from jaxpar.model import ragged
 from jaxpar.model.attention import target
-from jaxpar.model.layers import MLP
+from jaxpar.model.layers import MLP, gather_sequence
 from jaxpar.model.names import weight
 from jaxpar.sharding import active_rules, constrain, use_rules
 
@@ -232,7 +232,7 @@ class MoE(nnx.Module):
     def __call__(self, x_BxSxD: jax.Array) -> tuple[jax.Array, MoeStats]:
         cfg = self.cfg
         # Router input replicated over tp (an all-gather under Megatron-SP, else a no-op).
-        x_BxSxD = constrain(x_BxSxD, ("batch", "seq", "embed"))
+        x_BxSxD = gather_sequence(x_BxSxD)
         logits = jnp.einsum("bsd,de->bse", x_BxSxD.astype(jnp.float32), self.router[...])
         c = capacity(cfg, x_BxSxD.shape[1])
         r = route(cfg, logits, self.bias[...], c)

@@ -55,7 +55,7 @@ class Generation:
 
 
 GENERATIONS = (
-    Generation("a100", 312e12, 0.79, 0.70),
+    Generation("a100", 312e12, 0.76, 0.75),
     Generation("h100", 989e12, 0.62, 0.85),  # H100 and H200 (same SM, same peak)
 )
 ROOFLINE_SHARE_MAX = GENERATIONS[0].matmul_share_max  # the A100 figure (older callers)

@@ -92,7 +92,8 @@ class GradContext:
         red, dims = self.reduction, self.reduction.dims
         remat = remat_of("none") if stage_recompute else self.remat
         if red.stage < 3:
-            return Hooks(layer=remat.wrap(), moe_layer=remat.wrap())
+            sp = self.layout.sequence_parallel and self.layout.tp > 1
+            return Hooks(layer=remat.wrap(regather=sp), moe_layer=remat.wrap(regather=sp))
 
         def stack(name):  # ZeRO-3: one packed gather per layer (per MoE group) in the scan
             return lambda lp: red.gather(lp, dims[name], red.auto_specs[name], shift=1)

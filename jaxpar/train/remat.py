@@ -72,11 +72,13 @@ class Remat:
             return _offload_dots_and_projections
         raise ValueError(f"layout.remat={self.name!r}: unknown")
 
-    def wrap(self, pre: Callable | None = None) -> Callable[[Callable], Callable] | None:
+    def wrap(
+        self, pre: Callable | None = None, regather: bool = False
+    ) -> Callable[[Callable], Callable] | None:
         """Wrapper of a scan body ``(x, layer_params) -> (x, None)``: apply ``pre`` (the
         ZeRO-3 gather) to the layer's params, under this setting's checkpoint policy."""
         zero3 = pre is not None
-        policy = self.policy(zero3)
+        policy = self.policy(zero3 or regather)
         if policy is None:
             return None
 
