@@ -130,26 +130,36 @@ def test_compile_3d_layout_on_h100_node(tmp_path):
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out["xla_flags"]["applied"]
 
 
-@pytest.mark.parametrize("layout,axis", [
-    (("--dp", "1", "--tp", "8", "--sequence-parallel"), "tp"),
-    (("--dp", "2", "--tp", "1", "--sp", "4"), "sp"),
+@pytest.mark.parametrize("layout,axis,high", [
+    (("--dp", "1", "--tp", "8", "--sequence-parallel"), "tp", 1.12),
+    (("--dp", "2", "--tp", "1", "--sp", "4"), "sp", 1.12),
+    (("--model", "llama3-8b", "-o", "model.n_layers=4", "--seq-len", "2048", "--dp", "4",
+      "--tp", "2", "--sequence-parallel", "--zero", "3", "--remat", "selective",
+      "--microbatches", "2"), "tp", 1.25),
 ])  # fmt: skip
-def test_sequence_layouts_move_what_the_planner_counts(tmp_path, layout, axis):
-    """Megatron-SP and Ulysses wire bytes within 12% of the planner's on an 8-GPU target
-    (8 layers, so the embedding's and head's few collectives weigh little; 1.08 and 1.04
-    measured). Megatron-SP: the norm's output is pinned to the sequence shard before the
-    gather (without that constraint 0.89x) and the planner counts the backward's second
-    gather of the inputs (without it 1.35x). Ulysses: the planner counts the weight
-    gradients' all-reduce over sp, per layer in the compute dtype (without it 4.1x)."""
+def test_sequence_layouts_move_what_the_planner_counts(tmp_path, layout, axis, high):
+    """Megatron-SP and Ulysses wire bytes near the planner's on an 8-GPU target.
+
+    The model has 8 layers of width 512, so the embedding's and head's few collectives weigh
+    little (1.08 and 1.04 measured). Megatron-SP: the norm's output is pinned to the sequence
+    shard before the gather (without that constraint 0.89x), and the planner counts the
+    backward's second gather of the inputs (without it 1.35x). Ulysses: the planner counts the
+    weight gradients' all-reduce over sp, per layer in the compute dtype (without it 4.1x).
+    In a micro-batch loop (llama3-8b, 4 layers, whose 128k-vocabulary head adds its share:
+    1.18) the backward gathers each row-parallel output's cotangent once (twice before,
+    1.38x)."""
     _plugin_or_fail()
     model = tmp_path / "mid.yaml"
-    model.write_text(MODEL_YAML.replace("n_layers: 4", "n_layers: 8")
-                     .replace("d_model: 64", "d_model: 512").replace("n_heads: 4", "n_heads: 8")
-                     .replace("d_ff: 128", "d_ff: 1024").replace("max_seq_len: 64", "max_seq_len: 512"))  # fmt: skip
+    text = MODEL_YAML
+    for old, new in (("n_layers: 4", "n_layers: 8"), ("d_model: 64", "d_model: 512"),
+                     ("n_heads: 4", "n_heads: 8"), ("d_ff: 128", "d_ff: 1024"),
+                     ("max_seq_len: 64", "max_seq_len: 512")):  # fmt: skip
+        text = text.replace(old, new)
+    model.write_text(text)
     out = _report(_compile(tmp_path, "--model", str(model), "--mesh", "h100-8", "--seq-len",
                            "512", "--pp", "1", *layout, "--json"))  # fmt: skip
     got = out["collectives"][axis]
-    assert 0.95 < got["ratio"] < 1.12, got
+    assert 0.95 < got["ratio"] < high, got
 
 
 @pytest.mark.parametrize("zero,d_model", [(0, 256), (3, 512)])
