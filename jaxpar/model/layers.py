@@ -42,7 +42,6 @@ def gather_sequence(x_BxSxD: jax.Array) -> jax.Array:
     return constrain(x_BxSxD, ("batch", "seq", "embed"))
 
 
-
 @jax.custom_vjp
 def scatter_sequence(y_BxSxD: jax.Array) -> jax.Array:
     """A row-parallel matmul's output onto the residual stream's layout: under Megatron-SP a
@@ -65,6 +64,7 @@ def _scatter_bwd(_, dy):
 
 
 scatter_sequence.defvjp(_scatter_fwd, _scatter_bwd)
+
 
 @jax.custom_vjp
 def project(x_BxSxD: jax.Array, w_DxN: jax.Array) -> jax.Array:
