@@ -145,10 +145,12 @@ def sp_calls(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: S
                  _link(hw, lay.tp, lay.sp), fwd[3], "K/V sends (ring attention)")  # fmt: skip
 
 
-def sp_grad_terms(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig) -> list[CommTerm]:
+def sp_grad_terms(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig,
+                  ex: Executor) -> list[CommTerm]:  # fmt: skip
     """The all-reduce over sp of every weight gradient's partial sum (module docstring): one
-    per layer and one per table, each micro-batch, nothing beside them."""
-    if lay.sp == 1:
+    per layer and one per table, each micro-batch, nothing beside them; none for an executor
+    that reduces them with the data-parallel gradients (``Executor.sp_grads_per_layer``)."""
+    if lay.sp == 1 or not ex.sp_grads_per_layer:
         return []
     pc, layers, m = param_counts(model, lay), model.n_layers // lay.pp, lay.microbatches
     tables = float(pc.local - pc.blocks)

@@ -225,7 +225,8 @@ def step_cost(
         moe_fwd = model.moe_layers() // lay.pp * moe_ffn_delta(model, hw, lay, shape)
     pf, bubble, pp_terms = _pipeline(model, hw, lay, shape, executor, lt, costs, moe_fwd)
     comm = [*CM.layer_terms(lt, layers * m, lay.remat == "full"), *pp_terms]
-    comm += CM.dp_terms(model, hw, lay, shape, lt, executor) + CM.sp_grad_terms(model, hw, lay)
+    comm += CM.dp_terms(model, hw, lay, shape, lt, executor)
+    comm += CM.sp_grad_terms(model, hw, lay, executor)
     if model.moe.enabled and lay.ep > 1:
         comm.append(CM.ep_term(model, hw, lay, shape))
     host = TR.host_traffic(model, lay, shape, activation_host_bytes)

@@ -78,6 +78,11 @@ class Executor:
       ``tests/test_planner.py``'s interleaved row). XLA:GPU: 1 (llama3-8b pp 4 × dp 2 on
       h100-8 under full recompute compiles to 1.14x / 1.23x the planner without it
       (interleaved / 1F1B), 1.05x / 1.05x with it; :func:`for_target`).
+    * ``sp_grads_per_layer``: the weight gradients' partial sums over ``sp`` are all-reduced
+      per layer and micro-batch in the compute dtype (jaxpar: GSPMD places them at the weight
+      matmuls, :func:`jaxpar.planner.comm.sp_grad_terms`); a framework with context
+      parallelism reduces them with the data-parallel gradients instead (Megatron's dp × cp
+      group), which the dp terms already price.
     """
 
     name: str = "jaxpar"
@@ -101,6 +106,7 @@ class Executor:
     follows_model: bool = False
     zero3_layers: float = 0.0
     tick_grads: float = 0.0
+    sp_grads_per_layer: bool = False
 
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""
@@ -114,7 +120,11 @@ class Executor:
 # (meshes/*.yaml xla_flags) overlap the data-parallel reduction with the backward, nothing
 # overlaps the tensor-parallel all-reduces.
 JAXPAR = Executor(
-    attention="blockwise", loss="chunked", selective_reruns_kernel=True, follows_model=True
+    attention="blockwise",
+    loss="chunked",
+    selective_reruns_kernel=True,
+    follows_model=True,
+    sp_grads_per_layer=True,
 )
 
 
