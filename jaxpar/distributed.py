@@ -373,6 +373,25 @@ def target_platform(env: Mapping[str, str] | None = None) -> str:
     return "cpu"
 
 
+# XLA:GPU's collective pipeliner moves a loop's all-gathers into the iteration before. In
+# jaxpar's step its one target is ZeRO-3's per-layer weight gather (llama2-70b dp 32 x tp 2 +
+# SP ZeRO-3 on a100-64: 68% of the collective bytes exposed with it, 89% without). Outside
+# ZeRO-3 it finds only the micro-batch loop's gathers, and to start one a micro-batch early
+# it clones that micro-batch's forward: llama3-8b tp 8 + SP, ZeRO-1, 2 micro-batches on h100-8
+# compiles to 35.8 GiB with it and 24.5 without (tp bytes 1.43x / 1.02x the planner's).
+ZERO3_ONLY_XLA_FLAGS = ("--xla_gpu_enable_pipelined_all_gather",)
+
+
+def run_xla_flags(hardware, layout=None) -> list[str]:
+    """The XLA flags a run of ``layout`` starts with: the mesh file's ``hardware.xla_flags``,
+    less those that only serve ZeRO-3 (:data:`ZERO3_ONLY_XLA_FLAGS`) when ``layout`` is not
+    ZeRO-3. ``layout=None`` (several layouts in one process): the mesh file's, unchanged."""
+    flags = list(hardware.xla_flags or ())
+    if layout is None or layout.zero == 3:
+        return flags
+    return [f for f in flags if f.split("=", 1)[0] not in ZERO3_ONLY_XLA_FLAGS]
+
+
 def apply_xla_flags(platform: str, flags: list[str], env: dict | None = None) -> list[str]:
     """Add a mesh file's ``hardware.xla_flags`` to ``XLA_FLAGS`` when its platform is the one
     JAX will run on; flags the user already set in ``XLA_FLAGS`` win. Returns the flags added.
@@ -397,16 +416,17 @@ def setup(
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    layout=None,
 ) -> ProcessConfig | None:
     """Everything that must precede JAX's start for a run on ``devices`` devices in total.
 
-    Applies the platform's XLA flags, then either simulates ``devices`` CPU devices (one
-    process) or joins a multi-process run (each process simulating ``devices / processes``
-    CPU devices on CPU, or using its own GPUs).
+    Applies the platform's XLA flags (:func:`run_xla_flags` for ``layout``), then either
+    simulates ``devices`` CPU devices (one process) or joins a multi-process run (each process
+    simulating ``devices / processes`` CPU devices on CPU, or using its own GPUs).
     """
     from jaxpar.devices import simulate_cpu_devices
 
-    apply_xla_flags(hardware.platform, list(hardware.xla_flags))
+    apply_xla_flags(hardware.platform, run_xla_flags(hardware, layout))
     pc = process_config(coordinator, num_processes, process_id)
     if pc is None:
         if hardware.platform == "cpu":

@@ -107,13 +107,17 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--save {args.save!r}: file exists; refusing to overwrite it")
     plug = require_plugin()
     target = target_for(cfg.mesh, plug)
+    from jaxpar.distributed import run_xla_flags
     from jaxpar.gpu.compile import apply_flags, compile_step
     from jaxpar.gpu.report import report
     from jaxpar.report import emit_json, human_bytes
 
-    flags = apply_flags(list(cfg.mesh.hardware.xla_flags), plug.module)
+    run_flags = run_xla_flags(cfg.mesh.hardware, cfg.layout)
+    flags = apply_flags(run_flags, plug.module)
     compiled = compile_step(cfg, target, flags)
     out = report(cfg, compiled)
+    # the mesh file's flags this layout runs without (as `jaxpar train` starts it)
+    out["xla_flags"]["withheld"] = [f for f in cfg.mesh.hardware.xla_flags if f not in run_flags]
     if args.auto_layout is not None:
         out["auto_layout"] = args.auto_layout
     if args.hlo:

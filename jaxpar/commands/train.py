@@ -229,8 +229,9 @@ def run(args: argparse.Namespace) -> int:
     V.validate(cfg, n_devices=cfg.mesh.devices)
     preflight(cfg, data=False)  # the run loads (and checks) the data itself
     pc = setup(
-        cfg.mesh.hardware, cfg.mesh.devices, args.coordinator, args.num_processes, args.process_id
-    )
+        cfg.mesh.hardware, cfg.mesh.devices, args.coordinator, args.num_processes, args.process_id,
+        layout=cfg.layout,
+    )  # fmt: skip
 
     from jaxpar.train.guard import resume_command
     from jaxpar.train.loop import run as train_run

@@ -120,9 +120,11 @@ def _save_all_but_weights(prim: Any, *_: Any, **params: Any) -> bool:
     if name in _MOVES:
         return False
     if name == "custom_vjp_call":
+        # the ZeRO-3 gather (an all_gather inside) and a resharding alone (the row-parallel
+        # output's scatter, jaxpar.model.layers.scatter_sequence) are data movement too
         jaxpr = params.get("call_jaxpr")
-        inner = getattr(jaxpr, "jaxpr", jaxpr)
-        return not any(e.primitive.name == "all_gather" for e in getattr(inner, "eqns", ()))
+        inner = {e.primitive.name for e in getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ())}
+        return not ("all_gather" in inner or inner <= _MOVES)
     return True
 
 
