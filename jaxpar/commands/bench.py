@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxpar import validation as V
     from jaxpar.commands.train import build_config
     from jaxpar.devices import simulate_cpu_devices
+    from jaxpar.distributed import apply_xla_flags, run_xla_flags
     from jaxpar.errors import ConfigError
     from jaxpar.report import emit_json
 
@@ -68,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
         return dry_run(cfg, args, "bench", auto)
     V.validate(cfg, n_devices=cfg.mesh.devices)
+    # the XLA flags `jaxpar train` starts this layout with (before JAX's backend starts)
+    apply_xla_flags(cfg.mesh.hardware.platform, run_xla_flags(cfg.mesh.hardware, cfg.layout))
     if cfg.mesh.hardware.platform == "cpu":
         simulate_cpu_devices(cfg.mesh.devices)
     result = bench(cfg, warmup=args.warmup, profile=args.profile)
