@@ -106,6 +106,8 @@ def hf_dir(setup, tmp_path_factory):
         (["--tokenizer", "NOTOK"], "no tokenizer.json in the directory"),
         (["--tp", "3"], "layout.tp=3"),
         (["--step", "3"], "--step: only with --checkpoint-dir"),
+        (["--dp", "2"], "--dp=2: 1 prompt(s) do not split into 2 equal shards"),
+        (["--dp", "2", "--ep", "2", "--prompt", "a"], "layout.ep=2"),
     ],
 )
 def test_bad_input_one_line(hf_dir, tmp_path, capsys, extra, needle):

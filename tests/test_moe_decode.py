@@ -77,3 +77,26 @@ def test_moe_decode_logits_equal_the_full_forward(tp):
             # greedy: each new token is the argmax of the full forward at the position before
             assert out.tokens[b] == [int(i) for i in np.argmax(want, axis=-1)]
     assert np.abs(want).max() > 1.0  # logits far from uniform: an error would show
+
+
+def test_generate_with_expert_parallelism_samples_what_one_device_does():
+    """`jaxpar generate --dp 2 --ep 2`: the routed experts sharded over ep (each rank holds
+    half), the batch over dp; greedy tokens equal one device's."""
+    from conftest import small_config
+
+    from jaxpar.train.step import Trainer
+
+    prompts = [*PROMPTS, [40, 41]]  # four: two per dp rank
+    got = {}
+    for dp, ep in ((1, 1), (2, 2)):
+        cfg = small_config(dp=dp, ep=ep, zero=0)
+        cfg.model = SHAPE
+        mesh = make_mesh(cfg.layout, jax.devices()[:dp])
+        tr = Trainer(cfg, mesh)
+        shardings = tr.canonical_param_shardings
+        params = jax.device_put(jax.jit(Model(SHAPE).init)(jax.random.key(1)), shardings)
+        up = params["moe_layers"]["moe"]["mlp"]["w_up"]
+        assert up.addressable_shards[0].data.shape[1] == MOE.experts // ep  # [G, E, D, F]
+        gen = Generator(Model(SHAPE), mesh, tr.rules)
+        got[ep] = gen.generate(params, prompts, NEW, Sampling(0.0)).tokens
+    assert got[2] == got[1] and len(got[1]) == 4

@@ -9,7 +9,7 @@ from pathlib import Path
 
 HELP = "continue text prompts with a checkpoint or Hugging Face weights (KV-cache sampling)"
 
-LAYOUT_FLAGS = ("tp", "compute_dtype")
+LAYOUT_FLAGS = ("dp", "tp", "ep", "compute_dtype")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     texts = _prompts(args)
     src = inference.resolve(args, LAYOUT_FLAGS)
+    dp = src.cfg.layout.dp
+    if len(texts) % dp:
+        raise ConfigError(
+            f"--dp={dp}: {len(texts)} prompt(s) do not split into {dp} equal shards (the batch "
+            f"is split over dp); pass a multiple of {dp} prompts or a smaller --dp"
+        )
     m = src.cfg.model
     sampling.check(m.vocab_size)
     tok = inference.tokenizer_for(src, args.tokenizer)
@@ -115,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "tokenizer": tok.identity(),
         "tp": src.cfg.layout.tp,
+        "dp": src.cfg.layout.dp,
+        "ep": src.cfg.layout.ep,
         "devices": len(mesh.devices.flat),
         "platform": mesh.devices.flat[0].platform,
         **inference.describe(src),
