@@ -113,7 +113,7 @@ def test_remat_none_under_zero3_keeps_no_weight():
 
     def saved(setting):
         """Shapes of what the backward keeps (the VJP's leaves, less the inputs)."""
-        fn = jax.checkpoint(layer, policy=remat_of(setting).policy(zero3=True))
+        fn = jax.checkpoint(layer, policy=remat_of(setting).policy(regather=True))
         leaves = jax.tree_util.tree_leaves(jax.vjp(fn, x, w)[1])
         return [tuple(a.shape) for a in leaves if a is not x and a is not w]
 
@@ -122,7 +122,7 @@ def test_remat_none_under_zero3_keeps_no_weight():
     assert (4, 32) in kept  # the activations (tanh and its input's derivative) are kept
     assert {(8, 32), (32, 8)} & set(saved("selective")) == set()
     assert (4, 32) not in saved("full")
-    assert remat_of("none").policy(zero3=False) is None  # no checkpoint at all without ZeRO-3
+    assert remat_of("none").policy(regather=False) is None  # no checkpoint at all without ZeRO-3
     assert remat_of("full").recompute_forward and not remat_of("selective").recompute_forward
 
 
@@ -164,7 +164,7 @@ def test_policies_keep_projected_outputs(setting):
         g = jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1, 2))
         return str(jax.make_jaxpr(g)(x, w, w2)).count("dot_general")
 
-    policy = remat_of(setting).policy(zero3=False)
+    policy = remat_of(setting).policy(regather=False)
     assert dots(jax.checkpoint(layer, policy=policy)) == dots(layer)
     assert dots(jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)) > dots(
         layer
@@ -202,7 +202,7 @@ def test_zero3_packed_gather_keeps_no_gathered_weight(setting):
         return jnp.sin(jnp.tanh(x_BxD @ w["w1"]) * w["s"]) @ w["w2"]
 
     fn = jax.shard_map(
-        jax.checkpoint(layer, prevent_cse=False, policy=remat_of(setting).policy(zero3=True)),
+        jax.checkpoint(layer, prevent_cse=False, policy=remat_of(setting).policy(regather=True)),
         in_specs=(P("dp"), {"w1": P("dp"), "w2": P(None, "dp"), "s": P()}),
         out_specs=P("dp"),
         axis_names={"dp"},

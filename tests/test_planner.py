@@ -87,7 +87,7 @@ def test_block_residuals_are_what_autodiff_saves(variant, dtype):
     param_shapes = {a.shape for a in jax.tree.leaves(layer)}
     for remat in ("none", "selective", "full"):
         fn = lambda lp, x: m.block(lp, x, np.arange(s))  # noqa: E731  (static, as Model.loss)
-        policy = remat_of(remat).policy(zero3=False)
+        policy = remat_of(remat).policy(regather=False)
         if policy is not None:
             fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
         # not the arguments, nor a parameter under its WEIGHT tag (the same buffer), nor the

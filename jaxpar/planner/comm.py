@@ -145,6 +145,14 @@ def sp_calls(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: S
                  _link(hw, lay.tp, lay.sp), fwd[3], "K/V sends (ring attention)")  # fmt: skip
 
 
+def _tables(pc, lay: LayoutConfig) -> float:
+    """Parameters of the embedding, head and final norm on the busiest device: all of them,
+    or inside a pipeline the larger of the first stage's embedding and the last's head."""
+    if lay.pp > 1:
+        return float(max(pc.local_of("embed"), pc.local_of("head")))
+    return float(pc.local - pc.blocks)
+
+
 def sp_grad_terms(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig,
                   ex: Executor) -> list[CommTerm]:  # fmt: skip
     """The all-reduce over sp of every weight gradient's partial sum (module docstring): one
@@ -153,9 +161,7 @@ def sp_grad_terms(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig,
     if lay.sp == 1 or not ex.sp_grads_per_layer:
         return []
     pc, layers, m = param_counts(model, lay), model.n_layers // lay.pp, lay.microbatches
-    tables = float(pc.local - pc.blocks)
-    if lay.pp > 1:  # a stage holds the embedding (first) or the head (last)
-        tables = float(max(pc.local_of("embed"), pc.local_of("head")))
+    tables = _tables(pc, lay)
     r, wc = T.ring_factor(lay.sp), DTYPE_BYTES[lay.compute_dtype]
     calls = [("all-reduce", 2 * pc.blocks / layers * r * wc)] * layers
     n_tables = 1 if model.tied_embeddings or lay.pp > 1 else 2
@@ -269,9 +275,7 @@ def _zero3_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> lis
                     m * layers * (2 * ag.latency_s + rs.latency_s),
                     m * (total - fwd_exposed - bwd_exposed), link, algo,
                     "the neighbouring layer's forward/backward (prefetch)")]  # fmt: skip
-    embed = float(pc.local - pc.blocks)
-    if lay.pp > 1:
-        embed = float(max(pc.local_of("embed"), pc.local_of("head")))
+    embed = _tables(pc, lay)
     if embed:
         # gathered before the first layer and reduced after the last: nothing beside them
         out.append(_term(hw, "ZeRO-3 embedding/head all-gather", "all-gather", embed * r * wc,

@@ -20,7 +20,7 @@ policies below never save a tagged value, so the backward gathers the weights ag
 second all-gather of FSDP). With ``none`` that is the only thing recomputed, and under
 Megatron-SP the same policy keeps each column-parallel input's sequence shard rather than its
 all-gathered copy (the gather is data movement): the backward gathers it again, as Megatron-LM
-does (XLA:GPU, llama3-8b tp 8 + SP, 8 × 4096: 69.4 → 52.4 GiB per device, one more
+does (XLA:GPU, llama3-8b tp 8 + SP, 8 × 4096: 69.4 → 52.1 GiB per device, one more
 all-gather per column-parallel matmul).
 """
 
@@ -59,12 +59,13 @@ class Remat:
     kept: str  # what the backward finds saved (for docs and the run summary)
     recompute_forward: bool  # whether the backward re-runs each layer's forward (B = 3F)
 
-    def policy(self, zero3: bool) -> Any:
+    def policy(self, regather: bool) -> Any:
         """The ``jax.checkpoint`` policy for a layer, or None for no checkpoint at all;
-        ``zero3``: gathered values (ZeRO-3's weights, Megatron-SP's inputs) must not be kept."""
+        ``regather``: gathered values (ZeRO-3's weights, Megatron-SP's inputs) are not kept,
+        the backward gathers them again."""
         cp = jax.checkpoint_policies
         if self.name == "none":
-            return _save_all_but_weights if zero3 else None
+            return _save_all_but_weights if regather else None
         if self.name == "full":
             return cp.nothing_saveable
         if self.name == "selective":
@@ -83,8 +84,7 @@ class Remat:
         """Wrapper of a scan body ``(x, layer_params) -> (x, None)``: apply ``pre`` (the
         ZeRO-3 gather) to the layer's params, under this setting's checkpoint policy;
         ``regather``: Megatron-SP, whose gathered inputs are recomputed like ZeRO-3's weights."""
-        zero3 = pre is not None
-        policy = self.policy(zero3 or regather)
+        policy = self.policy(regather or pre is not None)
         if policy is None:
             return None
 
