@@ -291,9 +291,8 @@ def memory_section(mem: dict) -> list[str]:
     L += ["", "What these rows describe is the train step as it compiles by default: the "
           "blockwise attention kernel, the cross entropy in chunks, the pipeline's fused ticks "
           "with no copy of the scan carry (`Executor.carry_copies` = 0). Rows outside 10% are "
-          "where the memory model is still coarse: the pipeline under `remat full` (a stage's "
-          "recompute holds its whole chunk), the zero-bubble split (the I → W stash) and ring "
-          "attention with Megatron-SP.", ""]  # fmt: skip
+          "the pipelines (the planner's stash, tick and I → W terms are XLA:GPU's; XLA:CPU "
+          "holds less of them) and Megatron-SP at this size: open.", ""]  # fmt: skip
     return L
 
 
