@@ -1,0 +1,288 @@
+"""What one instruction of a compiled XLA:GPU program costs on the target, in seconds.
+
+Used by :mod:`jaxpar.gpu.timing`, which places these costs on the compute and communication
+streams. Every figure comes from the mesh file's hardware (``peak_flops_bf16``,
+``matmul_efficiency``, ``hbm_bw``, the links and NICs) and the planner's collective model:
+
+* **matmuls** (``dot``, ``convolution``, XLA's gemm fusions, cuBLAS custom calls): their FLOPs
+  at ``peak × matmul_efficiency(size)``, ``size`` the side of the square matmul with the same
+  FLOPs per byte (:func:`jaxpar.planner.cost.matmul_size`, here from the element counts of
+  lhs, rhs and output: ``1.5·FLOPs / (L + R + E)``), or the fusion's bytes at HBM bandwidth if
+  that is longer (a roofline);
+* **cuDNN attention** (``__cudnn$fmha*``): ``4·B·H·Sq·Skv·D`` FLOPs forward, half of it under a
+  causal mask (flash kernels skip the masked blocks), 2.5× that backward (FlashAttention-2,
+  Dao 2023, §3.1: five matmuls against two), at the efficiency the planner's blockwise
+  attention term uses (``matmul_efficiency(Skv)``);
+* **everything else** (loop/input fusions, copies, slices, reductions): the bytes it reads and
+  writes at ``hbm_bw`` (the peak: no fitted share). A fusion reading a buffer only through
+  ``dynamic-slice``/``slice``/``gather`` reads the slice; one updating a buffer in place
+  (``dynamic-update-slice`` of a parameter) moves the update, not the buffer;
+* **collectives**: :func:`jaxpar.planner.collectives.call_time` (NCCL's ring/tree and protocol
+  latencies, the mesh's NVLink and NIC bandwidths) for the wire bytes one device sends
+  (:func:`jaxpar.analysis.hlo.collective_bytes`), over the group's size and the nodes it spans
+  (from the replica groups and each partition's node); a ``collective-permute`` is a
+  point-to-point send of its operand, across nodes when any of its pairs is.
+
+No kernel launch overhead is added (the mesh files run XLA with command buffers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jaxpar.analysis.hlo_text import Instr, callees, replica_groups, shape_bytes
+from jaxpar.config import HardwareConfig
+from jaxpar.planner.collectives import call_time
+from jaxpar.planner.hardware import matmul_efficiency
+
+FREE = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
+    "replica-id", "after-all", "opt-barrier", "add-dependency", "domain", "iota",
+    "async-update", "async-done",
+}  # fmt: skip
+_DIMS = re.compile(r"\b[a-z]+[0-9a-z]*\[([\d,]*)\]")
+ATTENTION = "__cudnn$fmha"
+# The planner's kinds for XLA's (collective-permute is one point-to-point send per device).
+PLANNER_KIND = {"ragged-all-to-all": "all-to-all", "collective-permute": "send"}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One compute-stream instruction: seconds, FLOPs (hardware, recompute included), bytes."""
+
+    seconds: float
+    flops: float
+    bytes: float
+    kind: str  # "matmul", "attention" or "memory"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective call: seconds (the latency part apart), and over what."""
+
+    seconds: float
+    latency_s: float
+    kind: str
+    axes: tuple[str, ...]
+    wire_bytes: float  # what one device sends, ring count
+    group_size: int
+    nodes: int  # nodes the largest group spans
+    algorithm: str
+
+
+def _elems(shape: str) -> float:
+    m = _DIMS.search(shape)
+    return float(math.prod(int(x) for x in m.group(1).split(",") if x)) if m else 0.0
+
+
+def _dims(shape: str) -> list[int]:
+    m = _DIMS.search(shape)
+    return [int(x) for x in m.group(1).split(",") if x] if m else []
+
+
+def _first(shape: str) -> str:
+    """The first array of a (tuple) shape."""
+    return shape[1:].split(")")[0] if shape.startswith("(") else shape
+
+
+class Coster:
+    """Costs of the instructions of one parsed module (``comps`` from
+    :func:`jaxpar.analysis.hlo_text.parse_module`) on ``hw``; ``nodes[p]`` is the node of
+    partition ``p`` (default: ``p // hw.devices_per_node``)."""
+
+    def __init__(self, comps: dict[str, list[Instr]], hw: HardwareConfig,
+                 nodes: Sequence[int] | None = None) -> None:  # fmt: skip
+        self.comps, self.hw = comps, hw
+        self.nodes = list(nodes) if nodes is not None else None
+        self._tables: dict[str, dict[str, Instr]] = {}
+
+    def table(self, comp: str) -> dict[str, Instr]:
+        """Name → instruction of ``comp``."""
+        if comp not in self._tables:
+            self._tables[comp] = {i.name: i for i in self.comps.get(comp, [])}
+        return self._tables[comp]
+
+    def node(self, p: int) -> int:
+        """The node of partition ``p``."""
+        if self.nodes is not None and p < len(self.nodes):
+            return self.nodes[p]
+        return p // max(self.hw.devices_per_node, 1)
+
+    # ----------------------------------------------------------------------------- compute
+
+    def _matmul_seconds(self, flops: float, elems: float) -> float:
+        size = 1.5 * flops / elems if elems else 1.0
+        return flops / (self.hw.peak_flops_bf16 * matmul_efficiency(self.hw, size))
+
+    def _dots(self, comp: str, seen: tuple[str, ...] = ()) -> tuple[float, float]:
+        """(FLOPs, seconds) of the dots and convolutions of ``comp`` and what it calls."""
+        flops = secs = 0.0
+        table = self.table(comp)
+        for ins in self.comps.get(comp, []):
+            f, e = self._dot(ins, table)
+            if f:
+                flops, secs = flops + f, secs + self._matmul_seconds(f, e)
+            for c in callees(ins):
+                if c in self.comps and c not in seen:
+                    f2, s2 = self._dots(c, (*seen, c))
+                    flops, secs = flops + f2, secs + s2
+        return flops, secs
+
+    def _dot(self, ins: Instr, table: dict[str, Instr]) -> tuple[float, float]:
+        """(FLOPs, lhs + rhs + output elements) of a dot, convolution or cuBLAS gemm."""
+        shapes = [table[o].shape if o in table else "" for o in ins.operands]
+        if len(shapes) < 2:
+            return 0.0, 0.0
+        lhs, rhs, out = _dims(_first(shapes[0])), _dims(_first(shapes[1])), _first(ins.shape)
+        if ins.opcode == "dot":
+            cm = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+            contracting = [int(x) for x in cm.group(1).split(",") if x] if cm else []
+        elif ins.opcode == "custom-call" and "__cublas" in ins.attrs:
+            cm = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+            contracting = [int(x.strip('" ')) for x in cm.group(1).split(",") if x] if cm else []
+        elif ins.opcode == "convolution":
+            # output elements × (kernel elements per output feature)
+            lm = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
+            o = lm.group(1).find("o") if lm else -1
+            per_out = math.prod(rhs) / (rhs[o] if 0 <= o < len(rhs) else 1) if rhs else 0
+            flops = 2.0 * _elems(out) * per_out
+            return flops, math.prod(lhs or [0]) + math.prod(rhs or [0]) + _elems(out)
+        else:
+            return 0.0, 0.0
+        k = math.prod(lhs[i] for i in contracting if i < len(lhs)) if contracting else 1
+        flops = 2.0 * _elems(out) * k
+        return flops, float(math.prod(lhs or [0]) + math.prod(rhs or [0])) + _elems(out)
+
+    def _attention(self, ins: Instr, table: dict[str, Instr]) -> tuple[float, float]:
+        """(FLOPs, seconds) of a cuDNN attention custom call."""
+        m = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]',
+                      ins.attrs)  # fmt: skip
+        bhqk = [int(x.strip('" ')) for x in m.group(1).split(",")] if m else []
+        first = table.get(ins.operands[0]) if ins.operands else None
+        q = _elems(_first(first.shape)) if first is not None else 0.0
+        if len(bhqk) != 4 or not q:
+            return 0.0, 0.0
+        b, h, sq, skv = bhqk
+        d = q / (b * h * sq)
+        flops = 4.0 * b * h * sq * skv * d
+        if '"mask_type": "CAUSAL"' in ins.attrs or '"mask_type":"CAUSAL"' in ins.attrs:
+            flops /= 2
+        target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+        if target and "Backward" in target.group(1):
+            flops *= 2.5
+        return flops, flops / (self.hw.peak_flops_bf16 * matmul_efficiency(self.hw, skv))
+
+    def _bytes(self, ins: Instr, table: dict[str, Instr]) -> float:
+        """Bytes ``ins`` reads and writes in device memory."""
+        out = shape_bytes(ins.shape)
+        ops = [shape_bytes(table[o].shape) if o in table else 0.0 for o in ins.operands]
+        if ins.opcode in ("dynamic-slice", "slice", "gather"):
+            return 2 * out
+        if ins.opcode == "dynamic-update-slice":
+            return 2 * (ops[1] if len(ops) > 1 else out)
+        if ins.opcode == "copy":
+            return 2 * out
+        if ins.opcode != "fusion":
+            return out + sum(ops)
+        fused = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
+        body = self.comps.get(fused.group(1), []) if fused else []
+        if not body:
+            return out + sum(ops)
+        ftable = self.table(fused.group(1))
+        users: dict[str, list[Instr]] = {}
+        for i in body:
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+        params = {}
+        for i in body:
+            if i.opcode == "parameter" and i.operands and i.operands[0].isdigit():
+                params[int(i.operands[0])] = i.name
+        roots = [body[-1]]
+        if body[-1].opcode == "tuple":
+            roots = [ftable[o] for o in body[-1].operands if o in ftable]
+        in_place = {r.operands[0] for r in roots if r.opcode == "dynamic-update-slice"}
+        total = 0.0
+        for r in roots:  # what the fusion writes
+            upd = ftable.get(r.operands[1]) if len(r.operands) > 1 else None
+            if r.opcode == "dynamic-update-slice" and upd is not None:
+                total += shape_bytes(upd.shape)
+            else:
+                total += shape_bytes(r.shape)
+        for k, size in enumerate(ops):  # what it reads
+            p = params.get(k)
+            use = users.get(p, []) if p else []
+            if p in in_place and all(u.opcode == "dynamic-update-slice" for u in use):
+                continue
+            if use and all(u.opcode in ("dynamic-slice", "slice", "gather") for u in use):
+                total += sum(shape_bytes(u.shape) for u in use)
+            else:
+                total += size
+        return total
+
+    def kernel(self, comp: str, ins: Instr) -> Kernel:
+        """The cost of a compute instruction of ``comp`` (zero for bookkeeping)."""
+        if ins.opcode in FREE:
+            return Kernel(0.0, 0.0, 0.0, "memory")
+        table = self.table(comp)
+        mem = self._bytes(ins, table)
+        mem_s = mem / self.hw.hbm_bw
+        if ins.opcode == "custom-call" and ATTENTION in ins.attrs:
+            flops, secs = self._attention(ins, table)
+            return Kernel(max(secs, mem_s), flops, mem, "attention")
+        flops, secs = 0.0, 0.0
+        f, e = self._dot(ins, table)
+        if f:
+            flops, secs = f, self._matmul_seconds(f, e)
+        elif ins.opcode == "fusion":
+            fused = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
+            if fused:
+                flops, secs = self._dots(fused.group(1), (fused.group(1),))
+        if flops:
+            return Kernel(max(secs, mem_s), flops, mem, "matmul")
+        return Kernel(mem_s, 0.0, mem, "memory")
+
+    # ----------------------------------------------------------------------------- collectives
+
+    def transfer(self, ins: Instr, kind: str, wire_bytes: float, axes: tuple[str, ...],
+                 n_parts: int) -> Transfer:  # fmt: skip
+        """The time of one ``kind`` call of ``ins`` (``wire_bytes`` per device, ring count)."""
+        dpn = max(self.hw.devices_per_node, 1)
+        if kind == "collective-permute":
+            pm = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", ins.attrs)
+            found = re.findall(r"\{(\d+),(\d+)\}", pm.group(1) if pm else "")
+            pairs = [(int(a), int(b)) for a, b in found]
+            moving = [(a, b) for a, b in pairs if a != b]
+            if not moving:
+                return Transfer(0.0, 0.0, kind, axes, 0.0, 1, 1, "none")
+            cross = any(self.node(a) != self.node(b) for a, b in moving)
+            # the busiest device sends its whole operand (the wire figure is an average)
+            table_bytes = wire_bytes * n_parts / len(moving)
+            t = call_time(self.hw, "send", table_bytes, 2, dpn if cross else 1)
+            return Transfer(t.seconds, t.latency_s, kind, axes, table_bytes, 2, 1 + cross,
+                            t.algorithm)  # fmt: skip
+        groups = replica_groups(ins.attrs, n_parts)
+        n = max(len(g) for g in groups)
+        per_node, spans = n, 1
+        for g in groups:
+            counts: dict[int, int] = {}
+            for p in g:
+                counts[self.node(p)] = counts.get(self.node(p), 0) + 1
+            if len(counts) > spans:
+                spans, per_node = len(counts), max(counts.values())
+        # the stride that puts `per_node` members of an n-group on each node (planner's terms)
+        stride = 1 if spans == 1 else max(1, dpn // max(per_node, 1))
+        t = call_time(self.hw, PLANNER_KIND.get(kind, kind), wire_bytes, n, stride)
+        return Transfer(t.seconds, t.latency_s, kind, axes, wire_bytes, n, spans, t.algorithm)
+
+
+def backend_config(ins: Instr) -> dict:
+    """The ``collective_backend_config`` of a start (empty when absent or unreadable)."""
+    m = re.search(r'"collective_backend_config":(\{[^{}]*\})', ins.attrs)
+    try:
+        return json.loads(m.group(1)) if m else {}
+    except json.JSONDecodeError:
+        return {}

@@ -1,0 +1,484 @@
+"""How long one step of a compiled XLA:GPU program takes on its target: an event simulation of
+the scheduled module, two kinds of stream, every instruction costed (:mod:`jaxpar.gpu.costs`).
+
+The optimized module is scheduled (``is_scheduled=true``): each computation's instructions are
+printed in the order the GPU runs them. :func:`simulate` walks the entry computation in that
+order and follows what it calls:
+
+* ``while``: the body runs its trip count times (``known_trip_count``, else what
+  :func:`jaxpar.analysis.hlo_text.infer_trips` reads from the loop — the micro-batch loop XLA
+  leaves unannotated —, else once, said in ``assumptions``); the loop condition is not costed.
+  Once an iteration leaves the streams and the in-flight collectives where the previous one
+  left them (relative to the compute clock), the remaining iterations are the same and are
+  added without walking them (loops whose body holds an annotated conditional are always
+  walked);
+* ``conditional``: a pipeline tick's switch states how often it takes each branch
+  (:func:`jaxpar.analysis.hlo_text.branch_weights`, from the schedule table); execution ``n``
+  takes the branch furthest behind its share (``argmax w_i·(n+1) − taken_i``), so the counts
+  are the table's. An unannotated conditional is assumed to take its slowest branch every time
+  (said in ``assumptions``);
+* ``call``: the callee, inline. Fusions, custom calls and the rest are kernels.
+
+Streams, as XLA:GPU runs them (``xla/backends/gpu``: a synchronous collective runs on the
+compute stream, stream id 0; async all-reduce/all-gather/reduce-scatter/all-to-all share the
+``ASYNC_STREAM_KIND_COLLECTIVE`` stream; collective-permute, send and recv run on the P2P stream,
+``GetStreamKindForP2P``): the **compute** stream runs kernels one after another; a ``*-start``
+enqueues its collective on its communication stream, where it begins when both the compute
+stream reached the start and the stream is free; its ``*-done`` makes the compute stream wait
+until it ends. The wait is the collective's **exposed** time, booked to its mesh axes. A start
+marked ``"is_sync":true`` (the scheduler found nothing to overlap) or a collective without a
+start/done pair runs on the compute stream: all of it exposed. A start's result reaches its done
+through the loop state when the collective pipeliner split them across iterations (start at the
+end of one iteration, done early in the next): the simulation follows values through tuples,
+``get-tuple-element``, ``while`` and ``conditional`` operands and results, so such windows
+wrap around the loop body as they do on the GPU.
+
+Result (:class:`StepTime`): ``step_s`` = ``compute_s`` + ``exposed_s["total"]`` (the compute
+stream is either running a kernel or waiting on a collective); TFLOP/s and MFU from the model's
+FLOPs (PaLM's convention, :func:`jaxpar.analysis.theory.train_flops_per_token`: recomputation
+not counted), ``hardware_flops`` the FLOPs the program's matmuls and attention kernels do.
+The program is one device's (SPMD); where a pipeline's ranks take different branches, the
+branch counts are the table's averages over ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxpar.analysis.hlo import KINDS, collective_bytes
+from jaxpar.analysis.hlo_text import (
+    _TRIP,
+    Instr,
+    branch_weights,
+    callees,
+    infer_trips,
+    parse_module,
+)
+from jaxpar.config import HardwareConfig
+from jaxpar.gpu.costs import Coster, Transfer, backend_config
+
+COMPUTE, COLLECTIVE, P2P = "compute", "collective", "p2p"
+STREAMS = (COMPUTE, COLLECTIVE, P2P)
+P2P_KINDS = ("collective-permute",)
+MAX_EVENTS = 200_000  # events kept for the trace (the step's figures count all of them)
+# instructions that carry their operand's value (async handles too)
+_PASS = ("copy", "bitcast", "opt-barrier", "async-update")
+
+
+@dataclass
+class Event:
+    """One interval on a stream: a kernel, a collective, or the compute stream waiting."""
+
+    name: str
+    stream: str
+    start: float  # seconds from the step's start
+    dur: float
+    kind: str  # "matmul", "attention", "memory", a collective kind, or "wait"
+    axes: tuple[str, ...] = ()
+    op_name: str = ""
+    loop: str = ""  # enclosing loops and their iteration, "while.1[3]/while.2[0]"
+
+
+@dataclass
+class StepTime:
+    """The simulated step (module docstring)."""
+
+    step_s: float
+    compute_s: float
+    exposed_s: dict[str, float]  # mesh-axis set ("dp", "dp,tp", ...) -> seconds; plus "total"
+    comm_s: dict[str, float]  # all collective time per axis set (hidden or not); plus "total"
+    hardware_flops: float  # per device per step, recompute included
+    model_flops: float | None = None  # per device per step (PaLM), when given
+    tflops_per_device: float | None = None
+    mfu: float | None = None
+    events: list[Event] = field(default_factory=list)
+    events_dropped: int = 0
+    assumptions: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON ``estimate`` keys (events left out)."""
+        return {
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "exposed_s": dict(self.exposed_s),
+            "comm_s": dict(self.comm_s),
+            "hardware_flops": self.hardware_flops,
+            "model_flops": self.model_flops,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "assumptions": list(self.assumptions),
+        }
+
+
+@dataclass
+class _Handle:
+    end: float
+    axes: tuple[str, ...]
+    name: str
+
+
+def _key(axes: tuple[str, ...]) -> str:
+    return ",".join(axes) or "-"
+
+
+def _phase(op_name: str) -> str:
+    if "transpose(" in op_name:
+        return "backward"
+    if "jvp(" in op_name:
+        return "forward"
+    return ""
+
+
+class _Sim:
+    def __init__(self, comps, entry, hw, mesh, nodes) -> None:
+        self.comps, self.entry, self.hw = comps, entry, hw
+        self.coster = Coster(comps, hw, nodes)
+        shape = tuple(int(s) for s in np.shape(mesh.devices))
+        self.n_parts = int(np.prod(shape))
+        self.t = 0.0
+        self.free = dict.fromkeys(STREAMS, 0.0)
+        self.handles: dict[int, _Handle] = {}
+        self.exposed: dict[str, float] = {}
+        self.comm: dict[str, float] = {}
+        self.compute_s = 0.0
+        self.flops = 0.0
+        self.events: list[Event] = []
+        self.dropped = 0
+        self.assumptions: list[str] = []
+        self.taken: dict[tuple[str, str], list[float]] = {}
+        self.loops: list[str] = []
+        self._cond_reach: dict[str, bool] = {}
+        self.colls: dict[tuple[str, str], Any] = {}
+        self.next_handle = 0
+
+    # --------------------------------------------------------------------------- bookkeeping
+
+    def emit(self, ev: Event) -> None:
+        if len(self.events) < MAX_EVENTS:
+            self.events.append(ev)
+        else:
+            self.dropped += 1
+
+    def snapshot(self):
+        return (self.t, dict(self.free), dict(self.handles), dict(self.exposed), dict(self.comm),
+                self.compute_s, self.flops, len(self.events), self.dropped,
+                {k: list(v) for k, v in self.taken.items()})  # fmt: skip
+
+    def restore(self, s) -> None:
+        (self.t, self.free, self.handles, self.exposed, self.comm, self.compute_s, self.flops,
+         n, self.dropped, self.taken) = s  # fmt: skip
+        del self.events[n:]
+
+    def reaches_conditional(self, comp: str) -> bool:
+        if comp not in self._cond_reach:
+            self._cond_reach[comp] = False  # cycles: no
+            hit = False
+            for ins in self.comps.get(comp, []):
+                if ins.opcode == "conditional" and branch_weights(ins) is not None:
+                    hit = True
+                elif ins.opcode in ("while", "call", "conditional"):
+                    hit = hit or any(self.reaches_conditional(c) for c in callees(ins))
+            self._cond_reach[comp] = hit
+        return self._cond_reach[comp]
+
+    # --------------------------------------------------------------------------- walking
+
+    def run(self, comp: str, args: list) -> Any:
+        """Walk ``comp`` with parameter values ``args``; returns its root's value."""
+        env: dict[str, Any] = {}
+        body = self.comps.get(comp, [])
+        for ins in body:
+            op = ins.opcode
+            if op == "parameter":
+                k = int(ins.operands[0]) if ins.operands and ins.operands[0].isdigit() else 0
+                env[ins.name] = args[k] if k < len(args) else None
+            elif op == "tuple":
+                env[ins.name] = [env.get(o) for o in ins.operands]
+            elif op == "get-tuple-element":
+                v = env.get(ins.operands[0]) if ins.operands else None
+                m = re.search(r"index=(\d+)", ins.attrs)
+                k = int(m.group(1)) if m else 0
+                env[ins.name] = v[k] if isinstance(v, list) and k < len(v) else v
+            elif op == "while":
+                state = env.get(ins.operands[0]) if ins.operands else None
+                env[ins.name] = self.loop(comp, ins, state)
+            elif op == "conditional":
+                env[ins.name] = self.conditional(comp, ins, env)
+            elif op == "call":
+                env[ins.name] = self.run(callees(ins)[0], [env.get(o) for o in ins.operands])
+            elif self.collective(comp, ins, env):
+                pass
+            else:
+                self.kernel(comp, ins)
+                if op in _PASS and ins.operands:
+                    env[ins.name] = env.get(ins.operands[0])
+        return env.get(body[-1].name) if body else None
+
+    def kernel(self, comp: str, ins: Instr) -> None:
+        k = self.coster.kernel(comp, ins)
+        if k.seconds <= 0:
+            return
+        om = re.search(r'op_name="([^"]*)"', ins.attrs)
+        self.emit(Event(ins.name, COMPUTE, self.t, k.seconds, k.kind,
+                        op_name=om.group(1) if om else "", loop="/".join(self.loops)))  # fmt: skip
+        self.t += k.seconds
+        self.compute_s += k.seconds
+        self.flops += k.flops
+
+    def _transfer(self, comp: str, ins: Instr) -> tuple[str, Transfer] | None:
+        kind = ins.opcode.removesuffix("-start")
+        where = (comp, ins.name)
+        if ins.opcode == "async-start":  # a generic wrapper: the collective inside it
+            inner = [(c, i) for c in callees(ins) for i in self.comps.get(c, [])
+                     if i.opcode in KINDS]  # fmt: skip
+            if not inner:
+                return None
+            (c, i), kind = inner[0], inner[0][1].opcode
+            where = (c, i.name)
+        if kind not in KINDS or where not in self.colls:
+            return None
+        got = self.colls[where]
+        return kind, self.coster.transfer(self.comps_instr(where), kind, got.wire_bytes,
+                                          got.axes, self.n_parts)  # fmt: skip
+
+    def comps_instr(self, where: tuple[str, str]) -> Instr:
+        return self.coster.table(where[0])[where[1]]
+
+    def collective(self, comp: str, ins: Instr, env: dict) -> bool:
+        """Handle ``ins`` when it is a collective's start, done or synchronous form."""
+        op = ins.opcode
+        if (op.endswith("-done") and op.removesuffix("-done") in KINDS) or op == "async-done":
+            h = env.get(ins.operands[0]) if ins.operands else None
+            if isinstance(h, int) and h in self.handles:
+                hd = self.handles.pop(h)
+                if hd.end > self.t:
+                    wait = hd.end - self.t
+                    self.exposed[_key(hd.axes)] = self.exposed.get(_key(hd.axes), 0.0) + wait
+                    self.emit(Event("wait " + hd.name, COMPUTE, self.t, wait, "wait", hd.axes,
+                                    loop="/".join(self.loops)))  # fmt: skip
+                    self.t = hd.end
+            return True
+        found = self._transfer(comp, ins)
+        if found is None:
+            return False
+        kind, tr = found
+        om = re.search(r'op_name="([^"]*)"', ins.attrs)
+        key = _key(tr.axes)
+        self.comm[key] = self.comm.get(key, 0.0) + tr.seconds
+        self.exposed.setdefault(key, 0.0)  # every axis with collectives is listed
+        started = op.endswith("-start") or op == "async-start"
+        sync = not started or bool(backend_config(ins).get("is_sync", False))
+        stream = COMPUTE if sync else (P2P if kind in P2P_KINDS else COLLECTIVE)
+        begin = self.t if sync else max(self.t, self.free[stream])
+        end = begin + tr.seconds
+        self.emit(Event(ins.name, stream, begin, tr.seconds, kind, tr.axes,
+                        om.group(1) if om else "", "/".join(self.loops)))  # fmt: skip
+        if sync:
+            self.exposed[key] = self.exposed.get(key, 0.0) + tr.seconds
+            self.t = end
+            env[ins.name] = None
+        else:
+            self.free[stream] = end
+            self.next_handle += 1
+            h = self.next_handle
+            self.handles[h] = _Handle(end, tr.axes, ins.name)
+            env[ins.name] = h
+        return True
+
+    def conditional(self, comp: str, ins: Instr, env: dict) -> Any:
+        called = callees(ins)
+        pred = re.search(r"true_computation=%?([\w.\-]+).*false_computation=%?([\w.\-]+)",
+                         ins.attrs)  # fmt: skip
+        if pred:  # branch 0 is false, 1 is true
+            called = [pred.group(2), pred.group(1)]
+        args = [env.get(o) for o in ins.operands[1:]]
+        weights = branch_weights(ins)
+        if weights is not None and len(weights) == len(called) and sum(weights) > 0:
+            taken = self.taken.setdefault((comp, ins.name), [0.0] * len(called))
+            n = sum(taken)
+            i = int(np.argmax([w * (n + 1) - t for w, t in zip(weights, taken, strict=True)]))
+            taken[i] += 1
+        else:
+            note = f"conditional {ins.name}: no branch counts; its slowest branch assumed"
+            if note not in self.assumptions:
+                self.assumptions.append(note)
+            start, ends = self.snapshot(), []
+            for j, c in enumerate(called):
+                self.run(c, [args[j] if j < len(args) else None])
+                ends.append(self.t)
+                self.restore(start)
+            i = int(np.argmax(ends))
+        return self.run(called[i], [args[i] if i < len(args) else None])
+
+    def trips(self, comp: str, ins: Instr) -> int:
+        tm = _TRIP.search(ins.attrs)
+        if tm:
+            return int(tm.group(1))
+        got = infer_trips(self.comps, self.comps[comp], ins)
+        if got is not None:
+            return got
+        self.assumptions.append(f"while {ins.name}: trip count unknown; one trip assumed")
+        return 1
+
+    def _signature(self, state: Any) -> tuple:
+        """Where the streams and the in-flight collectives stand, relative to the clock."""
+        handles: list[float] = []
+
+        def walk(v: Any) -> None:
+            if isinstance(v, list):
+                for x in v:
+                    walk(x)
+            elif isinstance(v, int) and v in self.handles:
+                handles.append(max(0.0, self.handles[v].end - self.t))
+            else:
+                handles.append(-1.0)
+
+        walk(state)
+        free = [max(0.0, self.free[s] - self.t) for s in STREAMS]
+        return tuple(free), tuple(handles)
+
+    def loop(self, comp: str, ins: Instr, state: Any) -> Any:
+        bm = re.search(r"body=%?([\w.\-]+)", ins.attrs)
+        if not bm or bm.group(1) not in self.comps:
+            return state
+        body, n = bm.group(1), self.trips(comp, ins)
+        steady = not self.reaches_conditional(body)
+        prev = None
+        i = 0
+        while i < n:
+            self.loops.append(f"{ins.name}[{i}]")
+            t0, ex0, cm0, c0, f0, e0 = (self.t, dict(self.exposed), dict(self.comm),
+                                        self.compute_s, self.flops, len(self.events))  # fmt: skip
+            state = self.run(body, [state])
+            self.loops.pop()
+            i += 1
+            cur = (self._signature(state), self.t - t0)
+            if steady and prev is not None and i < n and _same(prev, cur):
+                self._repeat(n - i, t0, ex0, cm0, c0, f0, e0, state, (ins.name, i - 1))
+                break
+            prev = cur
+        return state
+
+    def _repeat(self, r: int, t0, ex0, cm0, c0, f0, e0, state, it: tuple[str, int]) -> None:
+        """Add ``r`` more iterations equal to iteration ``it`` (loop name, index), which started
+        at ``t0``."""
+        dt = self.t - t0
+        ev = self.events[e0:]
+        label = f"{it[0]}[{it[1]}]"
+        for k in range(1, r + 1):
+            now = f"{it[0]}[{it[1] + k}]"
+            for e in ev:
+                self.emit(Event(e.name, e.stream, e.start + k * dt, e.dur, e.kind, e.axes,
+                                e.op_name, e.loop.replace(label, now, 1)))  # fmt: skip
+            if len(self.events) >= MAX_EVENTS:
+                self.dropped += (r - k) * len(ev)
+                break
+        for d, before in ((self.exposed, ex0), (self.comm, cm0)):
+            for key, v in list(d.items()):
+                d[key] = v + r * (v - before.get(key, 0.0))
+        self.compute_s += r * (self.compute_s - c0)
+        self.flops += r * (self.flops - f0)
+        self.t += r * dt
+        for s in STREAMS:
+            self.free[s] += r * dt
+
+        def shift(v: Any) -> None:
+            if isinstance(v, list):
+                for x in v:
+                    shift(x)
+            elif isinstance(v, int) and v in self.handles:
+                self.handles[v].end += r * dt
+
+        shift(state)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    (sa, da), (sb, db) = a, b
+    tol = 1e-9 * max(abs(da), abs(db), 1e-12)
+    if abs(da - db) > tol or len(sa[1]) != len(sb[1]):
+        return False
+    pairs = list(zip(sa[0], sb[0], strict=True)) + list(zip(sa[1], sb[1], strict=True))
+    return all(abs(x - y) <= tol for x, y in pairs)
+
+
+def simulate(
+    compiled_or_text: Any,
+    mesh: Any,
+    hw: HardwareConfig,
+    nodes: list[int] | None = None,
+    model_flops: float | None = None,
+) -> StepTime:
+    """Simulate one step of the scheduled program (module docstring).
+
+    ``compiled_or_text``: a compiled executable or its optimized HLO text; ``mesh``: anything
+    with ``devices`` (its shape) and ``axis_names`` in the program's partition order; ``hw`` the
+    mesh file's hardware; ``nodes[p]`` the node of partition ``p`` (default
+    ``p // hw.devices_per_node``); ``model_flops`` per device per step for TFLOP/s and MFU.
+    """
+    for f in ("peak_flops_bf16", "hbm_bw", "intra_node_bw", "nic_bw", "nics_per_node",
+              "devices_per_node"):  # fmt: skip
+        if not getattr(hw, f, None):
+            raise ValueError(f"hardware.{f}: the time model needs it (mesh file)")
+    if not hw.matmul_efficiency:
+        raise ValueError("hardware.matmul_efficiency: the time model needs it (mesh file)")
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    comps, entry = parse_module(text)
+    sim = _Sim(comps, entry, hw, mesh, nodes)
+    sim.colls = {(c.computation, c.name): c for c in collective_bytes(text, mesh).collectives}
+    sim.run(entry, [])
+    for h in sim.handles.values():  # a collective the step never waits for still ends in it
+        sim.t = max(sim.t, h.end)
+    exposed = dict(sorted(sim.exposed.items()))
+    exposed["total"] = sum(sim.exposed.values())
+    comm = dict(sorted(sim.comm.items()))
+    comm["total"] = sum(sim.comm.values())
+    out = StepTime(sim.t, sim.compute_s, exposed, comm, sim.flops, events=sim.events,
+                   events_dropped=sim.dropped, assumptions=sim.assumptions)  # fmt: skip
+    if model_flops is not None and sim.t > 0:
+        out.model_flops = model_flops
+        out.tflops_per_device = model_flops / sim.t / 1e12
+        out.mfu = model_flops / sim.t / hw.peak_flops_bf16
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Chrome / Perfetto trace
+
+
+def chrome_trace(st: StepTime, name: str = "step") -> dict[str, Any]:
+    """The simulated step as Chrome trace JSON (``X`` events, microseconds; one thread per
+    stream: compute, collective, p2p)."""
+    tid = {s: i for i, s in enumerate(STREAMS)}
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": name}},
+        *({"ph": "M", "pid": 0, "tid": i, "name": "thread_name", "args": {"name": s}}
+          for s, i in tid.items()),
+    ]  # fmt: skip
+    for e in st.events:
+        args: dict[str, Any] = {"kind": e.kind}
+        if e.axes:
+            args["axes"] = ",".join(e.axes)
+        if e.op_name:
+            args["op_name"] = e.op_name
+            if _phase(e.op_name):
+                args["phase"] = _phase(e.op_name)
+        if e.loop:
+            args["loop"] = e.loop
+        events.append({"ph": "X", "pid": 0, "tid": tid[e.stream], "name": e.name, "cat": e.kind,
+                       "ts": e.start * 1e6, "dur": e.dur * 1e6, "args": args})  # fmt: skip
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"step_s": st.step_s, "events_dropped": st.events_dropped}}  # fmt: skip
+
+
+def write_trace(path: str | Path, st: StepTime, name: str = "step") -> None:
+    """Write :func:`chrome_trace` to ``path``."""
+    Path(path).write_text(json.dumps(chrome_trace(st, name)))
+
+
+__all__ = ["Event", "StepTime", "chrome_trace", "simulate", "write_trace"]

@@ -1,0 +1,255 @@
+"""The time model of a compiled XLA:GPU step (jaxpar.gpu.timing, jaxpar.gpu.costs).
+
+Hand-written scheduled HLO whose answer is known: a dot of 2·n³ FLOPs costs
+2n³ / (peak · matmul_efficiency(n)) (an n×n×n matmul has the FLOPs per byte of size n), a
+collective what the planner's NCCL model says for its wire bytes, and the simulation must place
+them as XLA:GPU's streams would.
+"""
+
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+
+from jaxpar import config as C
+from jaxpar.gpu import timing as TM
+from jaxpar.gpu.timing import simulate
+from jaxpar.planner.collectives import call_time
+from jaxpar.planner.hardware import matmul_efficiency
+
+HW = C.load_mesh("h100-8").hardware
+MESH = types.SimpleNamespace(devices=np.arange(8), axis_names=("dp",))
+GROUP = "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true"
+ASYNC = 'backend_config={"collective_backend_config":{"is_sync":false}}'
+SYNC = 'backend_config={"collective_backend_config":{"is_sync":true}}'
+DOT_DIMS = "lhs_contracting_dims={1}, rhs_contracting_dims={0}"
+
+
+def _trips(n: int) -> str:
+    return 'backend_config={"known_trip_count":{"n":"' + str(n) + '"}}'
+
+
+def _dot_comp(n: int) -> str:
+    return f"""%fused_dot (p0: bf16[{n},{n}], p1: bf16[{n},{n}]) -> bf16[{n},{n}] {{
+  %p0 = bf16[{n},{n}]{{1,0}} parameter(0)
+  %p1 = bf16[{n},{n}]{{1,0}} parameter(1)
+  ROOT %d = bf16[{n},{n}]{{1,0}} dot(%p0, %p1), {DOT_DIMS}
+}}
+"""
+
+
+def _t_dot(n: int) -> float:
+    """By hand: 2n³ FLOPs at the curve's efficiency for size n (3·2n² bytes move faster)."""
+    flops = 2.0 * n**3
+    return max(flops / (HW.peak_flops_bf16 * matmul_efficiency(HW, n)), 6.0 * n * n / HW.hbm_bw)
+
+
+def _t_gather(rows: int, hw=HW, stride: int = 1) -> float:
+    """An all-gather of 8 × [rows, 1024] bf16: each device sends 7/8 of the output."""
+    return call_time(hw, "all-gather", 7 / 8 * 8 * rows * 1024 * 2, 8, stride).seconds
+
+
+def _module(n: int, rows: int, config: str, op: str = "all-gather-start") -> str:
+    if op == "all-gather-start":
+        coll = (f"  %ags = (bf16[{rows},1024]{{1,0}}, bf16[{8 * rows},1024]{{1,0}}) "
+                f"all-gather-start(%w), channel_id=1, {GROUP}, {config}\n")  # fmt: skip
+        done = f"  %agd = bf16[{8 * rows},1024]{{1,0}} all-gather-done(%ags)\n"
+    else:  # a collective without a start/done pair
+        coll = (f"  %agd = bf16[{8 * rows},1024]{{1,0}} all-gather(%w), channel_id=1, "
+                f"{GROUP}\n")  # fmt: skip
+        done = ""
+    out = f"(bf16[{n},{n}]{{1,0}}, bf16[{8 * rows},1024]{{1,0}})"
+    return f"""HloModule t, is_scheduled=true, num_partitions=8
+
+{_dot_comp(n)}
+ENTRY %main (a: bf16[{n},{n}], b: bf16[{n},{n}], w: bf16[{rows},1024]) -> {out} {{
+  %a = bf16[{n},{n}]{{1,0}} parameter(0)
+  %b = bf16[{n},{n}]{{1,0}} parameter(1)
+  %w = bf16[{rows},1024]{{1,0}} parameter(2)
+{coll}  %dot = bf16[{n},{n}]{{1,0}} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+{done}  ROOT %t = {out} tuple(%dot, %agd)
+}}
+"""
+
+
+@pytest.mark.parametrize("n,rows", [(1024, 128), (8192, 128), (2048, 4096)])
+def test_all_gather_window_holds_a_dot(n, rows):
+    """Start, dot, done: the dot runs while the gather is in flight; the step waits
+    max(0, t_comm − t_dot), booked to the group's axis."""
+    st = simulate(_module(n, rows, ASYNC), MESH, HW)
+    t_dot, t_comm = _t_dot(n), _t_gather(rows)
+    assert st.compute_s == pytest.approx(t_dot, rel=1e-9)
+    assert st.exposed_s["dp"] == pytest.approx(max(0.0, t_comm - t_dot), rel=1e-9, abs=1e-15)
+    assert st.exposed_s["total"] == st.exposed_s["dp"]
+    assert st.step_s == pytest.approx(max(t_dot, t_comm), rel=1e-9)
+    assert st.comm_s["dp"] == pytest.approx(t_comm, rel=1e-9)
+    assert st.hardware_flops == 2.0 * n**3
+    streams = {(e.stream, e.kind) for e in st.events}
+    assert ("collective", "all-gather") in streams and ("compute", "matmul") in streams
+
+
+@pytest.mark.parametrize("op", ["all-gather-start", "all-gather"])
+def test_synchronous_collective_is_fully_exposed(op):
+    """A start marked is_sync (or a collective with no start/done pair) runs on the compute
+    stream: the dot after it cannot hide any of it."""
+    st = simulate(_module(8192, 128, SYNC, op), MESH, HW)
+    t_dot, t_comm = _t_dot(8192), _t_gather(128)
+    assert st.exposed_s["dp"] == pytest.approx(t_comm, rel=1e-9)
+    assert st.step_s == pytest.approx(t_dot + t_comm, rel=1e-9)
+    assert {e.stream for e in st.events} == {"compute"}
+
+
+def test_group_across_nodes_takes_the_nics():
+    """The same gather on nodes of 4 GPUs spans 2 nodes: the planner's crossing bandwidth
+    (all the node's NICs for a group with 4 members per node) and network hops."""
+    hw = dataclasses.replace(HW, devices_per_node=4)
+    st = simulate(_module(1024, 4096, ASYNC), MESH, hw)
+    assert st.comm_s["dp"] == pytest.approx(_t_gather(4096, hw), rel=1e-9)
+    assert st.comm_s["dp"] > 1.1 * _t_gather(4096)  # 4 × 50 GB/s NICs, not 450 GB/s NVLink
+    one_nic = dataclasses.replace(hw, nics_per_node=1)
+    slow = simulate(_module(1024, 4096, ASYNC), MESH, one_nic)
+    assert slow.comm_s["dp"] == pytest.approx(_t_gather(4096, one_nic), rel=1e-9)
+    assert slow.comm_s["dp"] > 3 * st.comm_s["dp"]
+
+
+def _loop_module(n: int, rows: int, trips: int) -> str:
+    """A collective the pipeliner split across iterations: started at the end of the body,
+    done in the next iteration after its dot (the handle travels in the loop state)."""
+    w, ag = f"bf16[{rows},1024]", f"bf16[{8 * rows},1024]"
+    mat = f"bf16[{n},{n}]"
+    state = f"(s32[], {w}, ({w}, {ag}), {mat}, {mat})"
+    start = f"all-gather-start(%w), channel_id=1, {GROUP}, {ASYNC}"
+    return f"""HloModule t, is_scheduled=true, num_partitions=8
+
+{_dot_comp(n)}
+%body (p: {state}) -> {state} {{
+  %p = {state} parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = {w}{{1,0}} get-tuple-element(%p), index=1
+  %h = ({w}, {ag}) get-tuple-element(%p), index=2
+  %a = {mat}{{1,0}} get-tuple-element(%p), index=3
+  %b = {mat}{{1,0}} get-tuple-element(%p), index=4
+  %dot = {mat}{{1,0}} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+  %agd = {ag}{{1,0}} all-gather-done(%h)
+  %one = s32[] constant(1)
+  %i1 = s32[] add(%i, %one)
+  %ags = ({w}, {ag}) {start}
+  ROOT %t = {state} tuple(%i1, %w, %ags, %dot, %b)
+}}
+
+%cond (q: {state}) -> pred[] {{
+  %q = {state} parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %lim = s32[] constant({trips})
+  ROOT %lt = pred[] compare(%j, %lim), direction=LT
+}}
+
+ENTRY %main (a: {mat}, b: {mat}, w: {w}) -> {ag} {{
+  %a = {mat}{{1,0}} parameter(0)
+  %b = {mat}{{1,0}} parameter(1)
+  %w = {w}{{1,0}} parameter(2)
+  %zero = s32[] constant(0)
+  %ags0 = ({w}, {ag}) {start}
+  %init = {state} tuple(%zero, %w, %ags0, %a, %b)
+  %loop = {state} while(%init), condition=%cond, body=%body, {_trips(trips)}
+  %last = ({w}, {ag}) get-tuple-element(%loop), index=2
+  ROOT %agd = {ag}{{1,0}} all-gather-done(%last)
+}}
+"""
+
+
+@pytest.mark.parametrize("n,rows", [(1024, 128), (8192, 128), (2048, 2048)])
+def test_pipelined_collective_window_wraps_around_the_loop(n, rows, monkeypatch):
+    """Start before the loop and at the end of each iteration, done in the next one after its
+    dot: each done in the loop waits max(0, t_comm − t_dot) (the window wraps around the
+    body's end and holds the next iteration's dot), the done after the loop the whole
+    transfer: exposed = trips·max(0, t_comm − t_dot) + t_comm. Iterations after the steady
+    state is reached are added, not walked: the same figures as walking all of them."""
+    trips = 10
+    st = simulate(_loop_module(n, rows, trips), MESH, HW)
+    t_dot, t_comm = _t_dot(n), _t_gather(rows)
+    want = trips * max(0.0, t_comm - t_dot) + t_comm
+    assert st.exposed_s["dp"] == pytest.approx(want, rel=1e-6)
+    assert st.compute_s == pytest.approx(trips * t_dot, rel=1e-6)  # the adds are ~1e-11 s
+    assert st.step_s == pytest.approx(st.compute_s + st.exposed_s["total"], rel=1e-12)
+    assert st.comm_s["dp"] == pytest.approx((trips + 1) * t_comm, rel=1e-9)
+    assert sum(e.kind == "all-gather" for e in st.events) == trips + 1
+    assert [e.loop for e in st.events if e.name == "dot"] == [f"loop[{i}]" for i in range(trips)]
+    monkeypatch.setattr(TM._Sim, "reaches_conditional", lambda self, c: True)  # walk all
+    walked = simulate(_loop_module(n, rows, trips), MESH, HW)
+    assert walked.step_s == pytest.approx(st.step_s, rel=1e-9)
+    assert walked.exposed_s["dp"] == pytest.approx(st.exposed_s["dp"], rel=1e-9)
+
+
+def test_pipeline_branches_run_as_often_as_the_table_says():
+    """A conditional annotated with branch shares [0.25, 0.75] inside a 4-trip loop: the dot
+    branch runs 3 times, the empty one once."""
+    n, mat = 2048, "bf16[2048,2048]"
+    state = f"(s32[], {mat}, {mat})"
+    scope = 'metadata={op_name="jit(f)/while/body/jaxpar_branches[0.25,0.75]/cond"}'
+    branches = "true_computation=%work, false_computation=%idle"
+    text = f"""HloModule t, is_scheduled=true, num_partitions=8
+
+{_dot_comp(n)}
+%idle (x: {state}) -> {mat} {{
+  %x = {state} parameter(0)
+  ROOT %y = {mat}{{1,0}} get-tuple-element(%x), index=1
+}}
+
+%work (x: {state}) -> {mat} {{
+  %x = {state} parameter(0)
+  %a = {mat}{{1,0}} get-tuple-element(%x), index=1
+  %b = {mat}{{1,0}} get-tuple-element(%x), index=2
+  ROOT %d = {mat}{{1,0}} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+}}
+
+%body (p: {state}) -> {state} {{
+  %p = {state} parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %b = {mat}{{1,0}} get-tuple-element(%p), index=2
+  %pred = pred[] constant(true)
+  %c = {mat}{{1,0}} conditional(%pred, %p, %p), {branches}, {scope}
+  %one = s32[] constant(1)
+  %i1 = s32[] add(%i, %one)
+  ROOT %t = {state} tuple(%i1, %c, %b)
+}}
+
+%cond (q: {state}) -> pred[] {{
+  %q = {state} parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %lim = s32[] constant(4)
+  ROOT %lt = pred[] compare(%j, %lim), direction=LT
+}}
+
+ENTRY %main (a: {mat}, b: {mat}) -> {state} {{
+  %a = {mat}{{1,0}} parameter(0)
+  %b = {mat}{{1,0}} parameter(1)
+  %zero = s32[] constant(0)
+  %init = {state} tuple(%zero, %a, %b)
+  ROOT %loop = {state} while(%init), condition=%cond, body=%body, {_trips(4)}
+}}
+"""
+    st = simulate(text, MESH, HW)
+    assert st.hardware_flops == 3 * 2.0 * n**3
+    assert st.compute_s == pytest.approx(3 * _t_dot(n), rel=1e-6)
+    assert st.assumptions == []
+    unannotated = simulate(text.replace(scope, ""), MESH, HW)  # the slowest branch, each time
+    assert unannotated.hardware_flops == 4 * 2.0 * n**3
+    assert "no branch counts" in unannotated.assumptions[0]
+
+
+def test_missing_hardware_field_is_named():
+    hw = dataclasses.replace(HW, hbm_bw=0.0)
+    with pytest.raises(ValueError, match=r"hardware.hbm_bw: the time model needs it"):
+        simulate(_module(1024, 128, ASYNC), MESH, hw)
+
+
+def test_chrome_trace_tracks():
+    st = simulate(_module(1024, 128, ASYNC), MESH, HW)
+    tr = TM.chrome_trace(st)
+    xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    names = {e["args"]["name"]: e["tid"] for e in tr["traceEvents"] if e["name"] == "thread_name"}
+    assert {e["tid"] for e in xs} == {names["compute"], names["collective"]}
+    wait = next(e for e in xs if e["args"]["kind"] == "wait")
+    assert wait["dur"] == pytest.approx(st.exposed_s["dp"] * 1e6)
