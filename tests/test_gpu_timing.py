@@ -3,14 +3,18 @@
 Hand-written scheduled HLO whose answer is known: a dot of 2·n³ FLOPs costs
 2n³ / (peak · matmul_efficiency(n)) (an n×n×n matmul has the FLOPs per byte of size n), a
 collective what the planner's NCCL model says for its wire bytes, and the simulation must place
-them as XLA:GPU's streams would.
+them as XLA:GPU's streams would. One real compile for an 8-GPU target checks ``jaxpar compile
+--json``'s ``estimate`` and the ``--trace`` file; bad ``--trace`` paths are refused before
+compiling.
 """
 
 import dataclasses
+import json
 import types
 
 import numpy as np
 import pytest
+from test_gpu_compile import _compile, _plugin_or_fail, _report
 
 from jaxpar import config as C
 from jaxpar.gpu import timing as TM
@@ -253,3 +257,52 @@ def test_chrome_trace_tracks():
     assert {e["tid"] for e in xs} == {names["compute"], names["collective"]}
     wait = next(e for e in xs if e["args"]["kind"] == "wait")
     assert wait["dur"] == pytest.approx(st.exposed_s["dp"] * 1e6)
+
+
+# ------------------------------------------------------------------------------------------------
+# jaxpar compile --trace / --json estimate
+
+
+@pytest.mark.parametrize("name,why", [
+    ("exists.json", "file exists"),
+    ("nodir/step.json", "directory .* does not exist"),
+    ("step.txt", "must end in .json"),
+    ("afile/step.json", "directory .* does not exist"),
+])  # fmt: skip
+def test_bad_trace_path_refused_before_compiling(tmp_path, name, why):
+    _plugin_or_fail()
+    (tmp_path / "exists.json").write_text("{}")
+    (tmp_path / "afile").write_text("")
+    proc = _compile(tmp_path, "--mesh", "h100-8", "--trace", str(tmp_path / name), check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--trace" in lines[0], lines
+    assert __import__("re").search(why, lines[0]), lines[0]
+
+
+def test_compile_estimate_and_trace(tmp_path):
+    """dp 2 × tp 2 × pp 2 on an 8-GPU H100 target: the estimate's keys, its identities, and a
+    Chrome trace with events on the compute and a communication track."""
+    _plugin_or_fail()
+    trace = tmp_path / "step.json"
+    out = _report(_compile(tmp_path, "--mesh", "h100-8", "--pp", "2", "--dp", "2", "--tp", "2",
+                           "--zero", "1", "--microbatches", "4", "--trace", str(trace),
+                           "--json"))  # fmt: skip
+    est = out["estimate"]
+    for key in ("step_s", "compute_s", "exposed_s", "tflops_per_device", "mfu",
+                "planner_step_s", "step_ratio"):  # fmt: skip
+        assert key in est, key
+    assert est["step_s"] > 0 and est["compute_s"] > 0 and est["planner_step_s"] > 0
+    assert set(est["exposed_s"]) >= {"tp", "total"}
+    assert est["step_s"] == pytest.approx(est["compute_s"] + est["exposed_s"]["total"], rel=1e-9)
+    assert est["step_ratio"] == pytest.approx(est["planner_step_s"] / est["step_s"])
+    assert 0 < est["mfu"] < 1
+    assert est["tflops_per_device"] == pytest.approx(est["mfu"] * HW.peak_flops_bf16 / 1e12)
+    tr = json.loads(trace.read_text())
+    xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert all(isinstance(e["ts"], float | int) and e["dur"] >= 0 for e in xs)
+    tids = {e["args"]["name"]: e["tid"] for e in tr["traceEvents"] if e["name"] == "thread_name"}
+    used = {e["tid"] for e in xs}
+    assert tids["compute"] in used and (tids["collective"] in used or tids["p2p"] in used)
+    assert any(e["args"].get("phase") == "backward" for e in xs)
+    assert out["trace"] == {"file": str(trace), "events": len(xs)}

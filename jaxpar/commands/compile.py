@@ -7,6 +7,11 @@ collectives and their overlap beside the planner's figures (keys: :mod:`jaxpar.g
 ``--save FILE`` writes the serialized executable (:mod:`jaxpar.gpu.saved`); ``--load FILE``
 checks one against this machine's target and prints its header. Without the jax CUDA plugin
 the command says what to install (exit 2).
+
+``--trace FILE.json`` writes the step as :mod:`jaxpar.gpu.timing` simulates it on the target, in
+the Chrome/Perfetto trace format (a compute track and one per communication stream); a path
+that is not ``.json``, whose directory is missing or unwritable, or that exists (without
+``--force``) is refused before compiling.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", default=None, metavar="FILE", help="check a saved executable")
     p.add_argument("--hlo", default=None, metavar="FILE", help="write the optimized HLO text")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--trace", default=None, metavar="FILE.json",
+                   help="write the simulated step as a Chrome trace (Perfetto)")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="let --trace replace an existing file")
 
 
 def build_config(args: argparse.Namespace):
@@ -100,7 +108,14 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
     if args.load:
         return _load(args.load, args.json)
+    if args.trace is not None:
+        from jaxpar.gpu.timing import check_trace_path
+
+        check_trace_path(args.trace, args.force)
     cfg = build_config(args)
+    from jaxpar.gpu.report import check_estimate
+
+    check_estimate(cfg)
     if args.auto_layout is not None and args.auto_layout.get("fits") is False:
         return 1  # nothing fits the pod: the plan's verdict is printed
     if args.save and os.path.exists(args.save):
@@ -109,13 +124,13 @@ def run(args: argparse.Namespace) -> int:
     target = target_for(cfg.mesh, plug)
     from jaxpar.distributed import run_xla_flags
     from jaxpar.gpu.compile import apply_flags, compile_step
-    from jaxpar.gpu.report import report
+    from jaxpar.gpu.report import estimate_lines, report
     from jaxpar.report import emit_json, human_bytes
 
     run_flags = run_xla_flags(cfg.mesh.hardware, cfg.layout)
     flags = apply_flags(run_flags, plug.module)
     compiled = compile_step(cfg, target, flags)
-    out = report(cfg, compiled)
+    out = report(cfg, compiled, trace=args.trace)
     # the mesh file's flags this layout runs without (as `jaxpar train` starts it)
     out["xla_flags"]["withheld"] = [f for f in cfg.mesh.hardware.xla_flags if f not in run_flags]
     if args.auto_layout is not None:
@@ -149,4 +164,5 @@ def run(args: argparse.Namespace) -> int:
               + (f", planner {human_bytes(plan)}" if plan is not None else "")
               + f", exposed {a.get('exposed_share', 0.0):.0%}")  # fmt: skip
     print(f"collective bytes synchronous {ov['sync_share']:.0%}, exposed {ov['exposed_share']:.0%}")
+    print("\n".join(estimate_lines(out["estimate"])))
     return 0

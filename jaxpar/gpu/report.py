@@ -8,7 +8,16 @@ total / planner, ``usable_bytes``, ``fits``), ``collectives`` (per mesh-axis set
 ``wire_bytes`` per device per step, ``sync_share``/``exposed_share`` of those bytes, per kind;
 ``planner_wire_bytes`` per axis and ``ratio``), ``overlap`` (``exposed_share`` and
 ``sync_share`` of all collective bytes; ``async_collectives``: the largest collectives with the
-compute the scheduler placed between start and done), ``xla_flags``, ``compile_seconds``.
+compute the scheduler placed between start and done), ``estimate`` (the simulated step,
+:func:`estimate`), ``xla_flags``, ``compile_seconds``.
+
+``estimate``: :mod:`jaxpar.gpu.timing`'s simulation of the scheduled program on the mesh file's
+hardware: ``step_s``, ``compute_s``, ``exposed_s`` (seconds the compute stream waits on
+collectives, per mesh-axis set, and ``total``), ``comm_s`` (all collective time, hidden or not),
+``tflops_per_device`` and ``mfu`` (model FLOPs, PaLM's convention: recomputation not counted),
+``hardware_flops`` (what the program's matmuls and attention kernels do, per device),
+``planner_step_s`` (``jaxpar plan``'s step time for the same layout), ``step_ratio`` =
+planner / estimate, ``assumptions``.
 """
 
 from __future__ import annotations
@@ -81,13 +90,59 @@ def overlap_share(c: Compiled) -> float:
     return sum(i.wire_bytes for i in items if i.exposed) / total if total else 0.0
 
 
-def report(cfg: RunConfig, c: Compiled) -> dict[str, Any]:
-    """The whole report (module docstring)."""
+def planner_step_time(cfg: RunConfig) -> float:
+    """``jaxpar plan``'s step time (seconds) for ``cfg``'s layout and workload."""
+    from jaxpar.planner.search import evaluate
+    from jaxpar.planner.workload import Shape
+
+    shape = Shape(cfg.train.global_batch, cfg.train.seq_len)
+    return evaluate(cfg.model, cfg.mesh.hardware, cfg.layout, shape).step_time
+
+
+def check_estimate(cfg: RunConfig) -> None:
+    """Refuse, before compiling, a mesh without a hardware figure the time model needs."""
+    from jaxpar.errors import ConfigError
+    from jaxpar.gpu.timing import check_hardware
+
+    try:
+        check_hardware(cfg.mesh.hardware)
+    except ValueError as e:
+        raise ConfigError(f"mesh {cfg.mesh.name!r}: {e}") from None
+
+
+def estimate(cfg: RunConfig, c: Compiled, text: str | None = None) -> tuple[dict[str, Any], Any]:
+    """The simulated step's figures (module docstring) and the :class:`StepTime` itself."""
+    import numpy as np
+
+    from jaxpar.analysis.theory import train_flops_per_token
+    from jaxpar.errors import ConfigError
+    from jaxpar.gpu.timing import simulate
+
+    t = cfg.train
+    model_flops = train_flops_per_token(cfg.model, t.seq_len) * t.global_batch * t.seq_len
+    per_host = c.target.per_host
+    nodes = [int(d.id) // per_host for d in np.ravel(c.mesh.devices)]
+    try:
+        st = simulate(text or c.compiled.as_text(), c.mesh, cfg.mesh.hardware, nodes,
+                      model_flops / cfg.layout.n_devices)  # fmt: skip
+    except ValueError as e:
+        raise ConfigError(f"mesh {cfg.mesh.name!r}: {e}") from None
+    out = st.to_dict()
+    planner = planner_step_time(cfg)
+    out["planner_step_s"] = planner
+    out["step_ratio"] = _ratio(planner, st.step_s)
+    return out, st
+
+
+def report(cfg: RunConfig, c: Compiled, trace: str | None = None) -> dict[str, Any]:
+    """The whole report (module docstring); ``trace``: write the simulated step there as a
+    Chrome trace (:func:`jaxpar.gpu.timing.write_trace`), recorded as ``trace``."""
     text = c.compiled.as_text()
     calls = custom_calls(text)
     axes, overlap = collectives(cfg, c)
+    est, step = estimate(cfg, c, text)
     lay = cfg.layout
-    return {
+    out = {
         "model": cfg.model.name,
         "mesh": cfg.mesh.name,
         "target": c.target.describe(),
@@ -99,6 +154,7 @@ def report(cfg: RunConfig, c: Compiled) -> dict[str, Any]:
         "memory": memory(cfg, c),
         "collectives": axes,
         "overlap": overlap,
+        "estimate": est,
         "xla_flags": {
             **dataclasses.asdict(c.flags),
             "effective": c.flags_effective,
@@ -107,3 +163,30 @@ def report(cfg: RunConfig, c: Compiled) -> dict[str, Any]:
         },
         "compile_seconds": c.seconds,
     }
+    if trace is not None:
+        from jaxpar.gpu.timing import write_trace
+
+        name = f"{cfg.model.name} on {cfg.mesh.name}"
+        out["trace"] = {"file": trace, "events": write_trace(trace, step, name)}
+    return out
+
+
+def estimate_lines(est: dict[str, Any]) -> list[str]:
+    """The human table of ``estimate`` (``jaxpar compile``'s output)."""
+    ex, comm = est["exposed_s"], est["comm_s"]
+    ratio = f"{est['step_ratio']:.2f}" if est["step_ratio"] is not None else "-"
+    lines = [
+        f"step time simulated on the target {est['step_s'] * 1e3:.3f} ms (planner "
+        f"{est['planner_step_s'] * 1e3:.3f} ms, planner / simulated {ratio}): compute "
+        f"{est['compute_s'] * 1e3:.3f} ms + exposed communication {ex['total'] * 1e3:.3f} ms",
+        f"  {'axes':<10} {'comm ms':>10} {'exposed ms':>11} {'of step':>8}",
+    ]
+    for key in [k for k in ex if k != "total"]:
+        share = ex[key] / est["step_s"] if est["step_s"] else 0.0
+        lines.append(f"  {key:<10} {comm.get(key, 0.0) * 1e3:>10.3f} {ex[key] * 1e3:>11.3f} "
+                     f"{share:>8.0%}")  # fmt: skip
+    if est["tflops_per_device"] is not None:
+        lines.append(f"model TFLOP/s per device {est['tflops_per_device']:.1f}, "
+                     f"MFU {est['mfu']:.1%} (PaLM model FLOPs: recompute not counted)")  # fmt: skip
+    lines += [f"  assumed: {a}" for a in est["assumptions"]]
+    return lines

@@ -407,6 +407,14 @@ def _same(a: tuple, b: tuple) -> bool:
     return all(abs(x - y) <= tol for x, y in pairs)
 
 
+def check_hardware(hw: HardwareConfig) -> None:
+    """Refuse (ValueError naming the field) a mesh without a figure the model needs."""
+    for f in ("peak_flops_bf16", "hbm_bw", "intra_node_bw", "nic_bw", "nics_per_node",
+              "devices_per_node", "matmul_efficiency"):  # fmt: skip
+        if not getattr(hw, f, None):
+            raise ValueError(f"hardware.{f}: the time model needs it (mesh file)")
+
+
 def simulate(
     compiled_or_text: Any,
     mesh: Any,
@@ -421,12 +429,7 @@ def simulate(
     mesh file's hardware; ``nodes[p]`` the node of partition ``p`` (default
     ``p // hw.devices_per_node``); ``model_flops`` per device per step for TFLOP/s and MFU.
     """
-    for f in ("peak_flops_bf16", "hbm_bw", "intra_node_bw", "nic_bw", "nics_per_node",
-              "devices_per_node"):  # fmt: skip
-        if not getattr(hw, f, None):
-            raise ValueError(f"hardware.{f}: the time model needs it (mesh file)")
-    if not hw.matmul_efficiency:
-        raise ValueError("hardware.matmul_efficiency: the time model needs it (mesh file)")
+    check_hardware(hw)
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
     comps, entry = parse_module(text)
     sim = _Sim(comps, entry, hw, mesh, nodes)
@@ -476,9 +479,30 @@ def chrome_trace(st: StepTime, name: str = "step") -> dict[str, Any]:
             "otherData": {"step_s": st.step_s, "events_dropped": st.events_dropped}}  # fmt: skip
 
 
-def write_trace(path: str | Path, st: StepTime, name: str = "step") -> None:
-    """Write :func:`chrome_trace` to ``path``."""
-    Path(path).write_text(json.dumps(chrome_trace(st, name)))
+def write_trace(path: str | Path, st: StepTime, name: str = "step") -> int:
+    """Write :func:`chrome_trace` to ``path``; returns the number of ``X`` events."""
+    tr = chrome_trace(st, name)
+    Path(path).write_text(json.dumps(tr))
+    return sum(e["ph"] == "X" for e in tr["traceEvents"])
 
 
-__all__ = ["Event", "StepTime", "chrome_trace", "simulate", "write_trace"]
+def check_trace_path(path: str, force: bool) -> None:
+    """Refuse a ``--trace`` path before compiling: not ``.json``, a missing or unwritable
+    directory, an existing file without ``force`` (one line, :class:`ConfigError`)."""
+    import argparse
+
+    from jaxpar.commands._checks import writable_file
+    from jaxpar.errors import ConfigError
+
+    if Path(path).suffix.lower() != ".json":
+        raise ConfigError(f"--trace {path!r}: must end in .json (Chrome trace JSON)")
+    try:
+        writable_file(path)
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"--trace {e}") from None
+    if Path(path).exists() and not force:
+        raise ConfigError(f"--trace {path!r}: file exists; pass --force to replace it")
+
+
+__all__ = ["Event", "StepTime", "check_hardware", "check_trace_path", "chrome_trace", "simulate",
+           "write_trace"]  # fmt: skip
