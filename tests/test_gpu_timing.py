@@ -243,6 +243,17 @@ ENTRY %main (a: {mat}, b: {mat}) -> {state} {{
     assert "no branch counts" in unannotated.assumptions[0]
 
 
+def test_done_without_a_traced_start_is_said():
+    """A done whose start the walk cannot trace (here: a parameter) adds no wait, and the
+    estimate says so instead of passing it over."""
+    text = _module(1024, 128, ASYNC).replace("all-gather-done(%ags)", "all-gather-done(%w)")
+    st = simulate(text, MESH, HW)
+    assert st.assumptions == [
+        "1 collective done(s) whose start was not traced (e.g. agd): no wait counted for them"
+    ]
+    assert st.step_s == pytest.approx(_t_gather(128), rel=1e-9)  # the gather still ends in it
+
+
 def test_missing_hardware_field_is_named():
     hw = dataclasses.replace(HW, hbm_bw=0.0)
     with pytest.raises(ValueError, match=r"hardware.hbm_bw: the time model needs it"):
