@@ -23,7 +23,10 @@ streams. Every figure comes from the mesh file's hardware (``peak_flops_bf16``,
   (from the replica groups and each partition's node); a ``collective-permute`` is a
   point-to-point send of its operand, across nodes when any of its pairs is.
 
-No kernel launch overhead is added (the mesh files run XLA with command buffers).
+No kernel launch overhead is added (the mesh files run XLA with command buffers). The matmul
+curve is the mesh file's: on the GPU meshes its ceiling was fitted by the planner on published
+runs (:data:`jaxpar.planner.hardware.GENERATIONS`), not measured per kernel — the one constant
+here not taken from a measurement.
 """
 
 from __future__ import annotations
