@@ -129,7 +129,7 @@ def resolve(
     )
     if setting == "auto":
         if fits:
-            return "cudnn"
+            return _with_cudnn_library(setting)
         return "native" if why_not_native is None and native.usable() else "blockwise"
     if setting == "native":
         why = why_not_native or native.unavailable()
@@ -142,7 +142,41 @@ def resolve(
             f"dim that is a multiple of 8 up to 128; this run has {where}, compute dtype "
             f"{jnp.dtype(dtype).name} and head dim {head_dim}"
         )
-    return setting
+    return _with_cudnn_library(setting) if setting == "cudnn" else setting
+
+
+# What provides the cuDNN library where no NVIDIA software is installed: the version range the
+# jax CUDA plugin's own ``with-cuda`` extra asks for (jaxpar's ``gpu-aot`` extra installs it).
+CUDNN_PACKAGE = "nvidia-cudnn-cu12>=9.8,<10"
+
+
+def cudnn_library_missing() -> str | None:
+    """Why jax cannot load the cuDNN library, or None when it can. jax asks the library for its
+    version when it traces cuDNN attention (``check_cudnn_version``), GPU or not: a deviceless
+    compile for a GPU target needs the library too, the jax CUDA plugin alone does not carry it."""
+    try:
+        from jax._src.lib import cuda_versions  # the plugin's version queries; None without one
+    except ImportError:  # a jax that moved it: let jax's own check speak at trace time
+        return None
+    if cuda_versions is None:
+        return "the jax CUDA plugin is not installed"
+    try:
+        cuda_versions.cudnn_get_version()
+    except RuntimeError as e:  # "cuDNN not found."
+        return str(e).rstrip(".") or "cuDNN not found"
+    return None
+
+
+def _with_cudnn_library(setting: str) -> str:
+    """``"cudnn"`` once the library is loadable; otherwise one line saying what to install."""
+    why = cudnn_library_missing()
+    if why is not None:
+        raise ConfigError(
+            f"model.attention={setting!r}: resolves to cuDNN attention, whose library jax cannot "
+            f"load ({why}); install it with pip install '{CUDNN_PACKAGE}' (jaxpar's gpu-aot "
+            "extra), or choose -o model.attention=blockwise"
+        )
+    return "cudnn"
 
 
 def implementation_for(cfg: RunConfig, device: jax.Device) -> str:
