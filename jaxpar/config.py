@@ -36,6 +36,7 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # token files (.bin)
 ROUTERS = ("softmax", "sigmoid")  # MoE router scores: Mixtral / Qwen (softmax), DeepSeek-V3
 DISPATCHES = ("auto", "padded", "ragged")  # MoE token dispatch (jaxpar.model.moe, .ragged)
+VOCAB_PAD = 128  # a padded vocabulary is a multiple of VOCAB_PAD * tp (ModelConfig.padded_vocab)
 GPU_PLATFORMS = ("gpu", "cuda")  # platforms whose XLA compiles a ragged all-to-all
 
 
@@ -114,6 +115,20 @@ class ModelConfig:
     def hd(self) -> int:
         """Per-head dimension."""
         return self.head_dim or self.d_model // self.n_heads
+
+    def padded_vocab(self, tp: int) -> int:
+        """Rows of the embedding table (columns of the output projection) a layout of tensor
+        parallelism ``tp`` stores: ``vocab_size`` when tp divides it, else the next multiple of
+        ``VOCAB_PAD * tp`` (Megatron-LM's make-vocab-size-divisible-by, e.g. GPT-2's 50257 at
+        tp 8: 51200), so that every tp rank holds an equal slice of whole 128-column tiles.
+        The padded logits are masked out of the softmax (:func:`jaxpar.model.llama.
+        cross_entropy`) and checkpoints, Hugging Face weights and inference keep the true
+        vocabulary (:mod:`jaxpar.pipeline.rest`): every layout computes the same losses."""
+        v = self.vocab_size
+        if tp <= 1 or v % tp == 0:
+            return v
+        step = VOCAB_PAD * tp
+        return -(-v // step) * step
 
     def param_count(self) -> int:
         """Exact number of parameters of the jaxpar model for this shape."""

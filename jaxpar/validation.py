@@ -23,6 +23,7 @@ from jaxpar.config import (
     AXES,
     DISPATCHES,
     DTYPES,
+    GPU_PLATFORMS,
     OFFLOAD,
     ON_NONFINITE,
     PIPELINE_MEMORY,
@@ -46,6 +47,11 @@ from jaxpar.errors import ConfigError
 MAX_COUNT = 2**40
 MAX_OF = {"mesh.devices": 2**20, "train.global_batch": 2**24, "train.seq_len": 2**24,
           "model.max_seq_len": 2**24}  # fmt: skip
+# Sizes that JAX passes to XLA as int32 (a Python int past it is an OverflowError while
+# tracing): token ids (so the vocabulary, padded included), the layer loop's trip count, and
+# the tokens of a step (the loss sums over them).
+INT32_MAX = 2**31 - 1
+MAX_OF.update({"model.vocab_size": INT32_MAX, "model.n_layers": INT32_MAX})
 MAX_SCHEDULE_ACTIONS = 2**18  # a pipeline schedule table of more takes minutes to build
 MAX_SEED = 2**32 - 1  # jax.random.key and numpy's SeedSequence both take uint32 seeds
 
@@ -54,7 +60,8 @@ def _positive(where: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{where}={value!r}: must be a positive integer")
     if value > MAX_OF.get(where, MAX_COUNT):
-        raise ConfigError(f"{where}={value}: must be at most {MAX_OF.get(where, MAX_COUNT)}")
+        why = " (int32 in the compiled step)" if MAX_OF.get(where) == INT32_MAX else ""
+        raise ConfigError(f"{where}={value}: must be at most {MAX_OF.get(where, MAX_COUNT)}{why}")
 
 
 def _at_least_0(where: str, value: Any, note: str = "") -> None:
@@ -225,6 +232,32 @@ def _check_moe_layout(m: ModelConfig, lay: LayoutConfig) -> None:
         )
 
 
+def check_dispatch(moe, ep: int, platform: str) -> None:
+    """A ragged MoE exchange needs XLA's ragged all-to-all, which only GPU targets compile
+    (the trainer checks its devices' platform, ``--dry-run`` the platform the run will use:
+    :func:`jaxpar.preflight.check_platform`)."""
+    if moe.enabled and ep > 1 and moe.dispatch == "ragged" and platform not in GPU_PLATFORMS:
+        raise ConfigError(
+            f"model.moe.dispatch='ragged': with layout.ep={ep} it needs a ragged all-to-all, "
+            f"which XLA on platform {platform!r} does not implement (GPU targets only); use "
+            "'padded' or 'auto'"
+        )
+
+
+def check_curve(where: str, curve: Any) -> None:
+    """A matmul efficiency curve ``[[size, share], ...]``: finite sizes >= 1 ascending, shares
+    in (0, 1]; empty means not measured (the planner refuses it where it needs one)."""
+    ok = isinstance(curve, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(typed.finite(x) for x in p)
+        and p[0] >= 1 and 0 < p[1] <= 1 for p in curve
+    )  # fmt: skip
+    if not ok or [p[0] for p in curve] != sorted(p[0] for p in curve):
+        raise ConfigError(
+            f"{where}={curve!r}: must be [[size, share], ...] with sizes >= 1 ascending and "
+            "shares in (0, 1]"
+        )
+
+
 def _check_hardware(mesh: MeshConfig) -> None:
     _positive("mesh.devices", mesh.devices)
     hw = mesh.hardware
@@ -234,6 +267,7 @@ def _check_hardware(mesh: MeshConfig) -> None:
         _number(f"hardware.{name}", getattr(hw, name), 0)
     _positive("hardware.devices_per_node", hw.devices_per_node)
     _positive("hardware.nics_per_node", hw.nics_per_node)
+    check_curve("hardware.matmul_efficiency", hw.matmul_efficiency)
     for flag in hw.xla_flags:
         # XLA aborts the process on a malformed or unknown flag; refuse what cannot be one
         if not re.fullmatch(r"--[A-Za-z0-9_]+(=\S*)?", flag):
@@ -314,6 +348,12 @@ def check_layout(
     shards, and the schedule. The planner draws its candidates through this same predicate."""
     _positive("train.global_batch", global_batch)
     _positive("train.seq_len", seq_len)
+    if global_batch * seq_len > INT32_MAX:
+        raise ConfigError(
+            f"train.global_batch={global_batch}: global_batch*seq_len={global_batch}*{seq_len}="
+            f"{global_batch * seq_len} tokens per step: must be at most {INT32_MAX} (int32 in "
+            "the compiled step)"
+        )
     for a in AXES:
         _positive(f"layout.{a}", getattr(lay, a))
     if n_devices is not None and lay.n_devices != n_devices:
@@ -341,6 +381,13 @@ def check_layout(
         raise ConfigError(f"layout.tp={lay.tp}: model.n_heads={m.n_heads} must be divisible by tp")
     if lay.tp > 1 and m.d_ff % lay.tp:
         raise ConfigError(f"layout.tp={lay.tp}: model.d_ff={m.d_ff} must be divisible by tp")
+    # A vocabulary tp does not divide is padded, not refused (ModelConfig.padded_vocab).
+    if m.padded_vocab(lay.tp) > INT32_MAX:
+        raise ConfigError(
+            f"layout.tp={lay.tp}: model.vocab_size={m.vocab_size} padded to a multiple of "
+            f"128*tp is {m.padded_vocab(lay.tp)}: must be at most {INT32_MAX} (token ids are "
+            "int32)"
+        )
     _check_heads(m, lay)
     _check_moe_layout(m, lay)
     if m.n_layers % (lay.pp * lay.virtual):

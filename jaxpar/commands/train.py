@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -143,7 +144,10 @@ def memory_estimate(cfg) -> dict:
     from jaxpar.planner.search import evaluate
 
     shape = M.Shape(cfg.train.global_batch, cfg.train.seq_len)
-    c = evaluate(cfg.model, cfg.mesh.hardware, cfg.layout, shape)
+    hw = cfg.mesh.hardware
+    if not hw.matmul_efficiency:  # not measured: the run needs none, and memory reads none
+        hw = dataclasses.replace(hw, matmul_efficiency=[[1.0, 1.0]])
+    c = evaluate(cfg.model, hw, cfg.layout, shape)
     return {
         "per_device_bytes": c.memory["total"],
         "breakdown_bytes": {k: v for k, v in c.memory.items() if k != "total"},

@@ -78,6 +78,12 @@ def apply_flags(mesh_flags: list[str], plugin_module: str, env: dict | None = No
     if bad:
         where = "hardware.xla_flags" if bad[0] in mesh_flags else "XLA_FLAGS"
         raise ConfigError(f"{where}: {bad[0]!r}: not a flag of the installed {plugin_module}'s XLA")
+    # Values as XLA parses them (the plugin's XLA aborts on one it cannot read, printing
+    # nothing a user would read); names are the plugin's, checked above.
+    from jaxpar.preflight import check_xla_values
+
+    check_xla_values([(f, "XLA_FLAGS") for f in have] + [(f, "hardware.xla_flags") for f in
+                      mesh_flags if f not in have], known_names=False)  # fmt: skip
     scratch = {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": env.get("XLA_FLAGS", "")}
     added = apply_xla_flags("gpu", list(mesh_flags), scratch)
     env["XLA_FLAGS"] = scratch["XLA_FLAGS"]

@@ -87,6 +87,9 @@ class Head(nnx.Module):
             w = cfg.init_std * jax.random.normal(rngs.params(), (cfg.d_model, cfg.vocab_size))
             self.w_out = nnx.Param(w, logical_axes=("embed", "vocab"))
         self.chunk = cfg.loss_chunk
+        # A layout whose tp does not divide the vocabulary stores a padded one
+        # (ModelConfig.padded_vocab): columns from here on are masked out of the softmax.
+        self.vocab = cfg.vocab_size
 
     def _hidden(self, x_BxSxD: jax.Array, table_VxD: jax.Array | None):
         # Norm on the (sequence-sharded under SP) residual stream, then all-gather over tp into
@@ -97,7 +100,7 @@ class Head(nnx.Module):
 
     def logits(self, x_BxSxD: jax.Array, table_VxD: jax.Array | None) -> jax.Array:
         h, w_DxV = self._hidden(x_BxSxD, table_VxD)
-        return _logits(h, w_DxV)
+        return _logits(h, w_DxV)[..., : self.vocab]
 
     def loss(self, x_BxSxD, targets_BxS, table_VxD: jax.Array | None) -> jax.Array:
         """Mean cross entropy, in sequence chunks of at most ``loss_chunk`` positions.
@@ -111,15 +114,17 @@ class Head(nnx.Module):
         h, w_DxV = self._hidden(x_BxSxD, table_VxD)
         b, s, d = h.shape
         n = _chunks(s, self.chunk)
+        vocab = self.vocab if w_DxV.shape[-1] > self.vocab else None
         if n == 1:
-            return _chunk_loss(h, targets_BxS, w_DxV) / (b * s)
+            return _chunk_loss(h, targets_BxS, w_DxV, vocab) / (b * s)
         c = s // n
         h_NxBxCxD = jnp.moveaxis(h.reshape(b, c, n, d), 2, 0)
         t_NxBxC = jnp.moveaxis(targets_BxS.reshape(b, c, n), 2, 0)
-        body = jax.checkpoint(_chunk_loss, policy=jax.checkpoint_policies.nothing_saveable)
+        body = jax.checkpoint(_chunk_loss, policy=jax.checkpoint_policies.nothing_saveable,
+                              static_argnums=(3,))  # fmt: skip
 
         def step(total, xs):
-            return total + body(xs[0], xs[1], w_DxV), None
+            return total + body(xs[0], xs[1], w_DxV, vocab), None
 
         total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (h_NxBxCxD, t_NxBxC))
         return total / (b * s)
@@ -139,15 +144,28 @@ def _logits(h_BxSxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
     return constrain(logits, ("batch", "seq", "vocab"))
 
 
-def _chunk_loss(h_BxCxD: jax.Array, targets_BxC: jax.Array, w_DxV: jax.Array) -> jax.Array:
-    """Summed cross entropy of one chunk (nats, fp32)."""
+def _chunk_loss(h_BxCxD: jax.Array, targets_BxC: jax.Array, w_DxV: jax.Array,
+                vocab: int | None = None) -> jax.Array:  # fmt: skip
+    """Summed cross entropy of one chunk (nats, fp32); ``vocab``: the true vocabulary of a
+    padded ``w_DxV`` (:func:`cross_entropy`)."""
     h_BxCxD = constrain(h_BxCxD, ("batch", "seq", "embed"))
-    return cross_entropy(_logits(h_BxCxD, w_DxV), targets_BxC) * targets_BxC.size
+    return cross_entropy(_logits(h_BxCxD, w_DxV), targets_BxC, vocab) * targets_BxC.size
 
 
-def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy in nats (fp32)."""
-    lse_BxS = jax.nn.logsumexp(logits_BxSxV, axis=-1)
+def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
+                  vocab: int | None = None) -> jax.Array:  # fmt: skip
+    """Mean next-token cross entropy in nats (fp32).
+
+    ``vocab``: the true vocabulary when the last dim is padded past it (a tp that does not
+    divide it, :meth:`jaxpar.config.ModelConfig.padded_vocab`): the padded columns are -inf in
+    the softmax's normaliser, so they add nothing to the loss and get no gradient (the target
+    is always a true column; its logit is read from the unmasked logits, where 0 * -inf
+    would be NaN)."""
+    masked_BxSxV = logits_BxSxV
+    if vocab is not None and vocab < logits_BxSxV.shape[-1]:
+        column_V = jax.lax.broadcasted_iota(jnp.int32, logits_BxSxV.shape, 2)
+        masked_BxSxV = jnp.where(column_V < vocab, logits_BxSxV, -jnp.inf)
+    lse_BxS = jax.nn.logsumexp(masked_BxSxV, axis=-1)
     onehot = jax.nn.one_hot(targets_BxS, logits_BxSxV.shape[-1], dtype=logits_BxSxV.dtype)
     # One-hot contraction instead of a gather keeps the vocab dimension sharded.
     picked_BxS = jnp.einsum("bsv,bsv->bs", logits_BxSxV, onehot)

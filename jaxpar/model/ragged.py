@@ -39,9 +39,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpar import config
 from jaxpar.config import MoeConfig
-from jaxpar.errors import ConfigError
 
 EP_AXIS = "ep"
 
@@ -51,13 +49,11 @@ ragged_all_to_all = jax.lax.ragged_all_to_all
 
 
 def check(moe: MoeConfig, ep: int, platform: str) -> None:
-    """Refuse a ragged exchange where XLA cannot compile one (before compiling)."""
-    if ep > 1 and moe.dispatch == "ragged" and platform not in config.GPU_PLATFORMS:
-        raise ConfigError(
-            f"model.moe.dispatch='ragged': with layout.ep={ep} it needs a ragged all-to-all, "
-            f"which XLA on platform {platform!r} does not implement (GPU targets only); use "
-            "'padded' or 'auto'"
-        )
+    """Refuse a ragged exchange where XLA cannot compile one (before compiling; the rule is
+    :func:`jaxpar.validation.check_dispatch`, which ``--dry-run`` runs too)."""
+    from jaxpar.validation import check_dispatch
+
+    check_dispatch(moe, ep, platform)
 
 
 def receive_rows(n_rows: int, experts: int, ep: int, rows_b: int, c: int) -> int:

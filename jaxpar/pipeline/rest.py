@@ -1,7 +1,8 @@
-"""How a pipeline layout stores the model at rest, and the conversions to canonical form.
+"""How a layout stores the model at rest, and the conversions to canonical form.
 
 The canonical form is what the model builds and what checkpoints, Hugging Face weights and
-inference hold. A pipeline layout (``pp > 1``) stores two things differently, so that a train
+inference hold. A layout whose ``tp`` does not divide the vocabulary stores a padded one
+(below); a pipeline layout (``pp > 1``) stores two more things differently, so that a train
 step moves no weights and sums no gradient over ``pp``:
 
 * **Layers in placement order.** ``params["layers"]`` (a MoE model's groups ``moe_layers``:
@@ -21,10 +22,18 @@ step moves no weights and sums no gradient over ``pp``:
   Zero slots stay zero under the optimizer (zero gradient, zero moments, decay of zero) and add
   nothing to the gradient norm. With tied embeddings the table is read by both ends, so it
   stays replicated and its gradient is summed over ``pp`` (:class:`PipelineRun`).
+* **A padded vocabulary.** The vocabulary dim (on ``tp``) of the embedding table ``[V, D]``
+  and the output projection ``[D, V]`` is padded with zeros to
+  :meth:`~jaxpar.config.ModelConfig.padded_vocab` when ``tp`` does not divide ``V`` (JAX
+  shards only evenly; GPT-2's 50257 at any tp > 1), as Megatron-LM pads it. The padded logits
+  are masked out of the softmax (:func:`jaxpar.model.llama.cross_entropy`), so the padded
+  rows get zero gradients and stay zero under AdamW, and the losses and the true rows'
+  gradients are the unpadded model's. The canonical form keeps the true ``V`` (its sharding
+  without ``tp`` on that dim): a checkpoint written at one tp restores at any other.
 
 Every tree shaped like the params converts the same way (a whole state, optimizer moments,
 gradients): a leaf's role is decided by the first dict key on its path that is ``layers`` or an
-owned key.
+owned key, and by the last two (:data:`VOCAB_LEAVES`) for the padding.
 Conversions run under ``jit`` with the target's shardings; they move data over ``pp`` (a take
 of the stack, a broadcast of an owner's slot) and run only where the form is visible, never in
 a step.
@@ -48,6 +57,8 @@ if TYPE_CHECKING:
     from jaxpar.config import LayoutConfig, ModelConfig
 
 STAGE_AXIS = "stage"  # logical axis of an owned leaf's leading [pp] dim (rule: -> pp)
+# The leaves with a vocabulary dim (dict keys at the end of their path) and that dim, canonical.
+VOCAB_LEAVES = {("embed", "table"): 0, ("head", "w_out"): 1}
 
 
 def layer_order(layout: LayoutConfig, n_layers: int) -> np.ndarray | None:
@@ -78,29 +89,37 @@ class RestLayout:
     order: np.ndarray | None  # canonical layer at each stack position; None: canonical
     owners: tuple[tuple[str, int], ...]  # (top-level param key, the pp rank that owns it)
     stack: str = "layers"  # the top-level key of the stack split over pp (ModelConfig.stack)
+    vocab: tuple[int, int] = (0, 0)  # (true, padded) vocabulary when padded; (0, 0): not
 
     @staticmethod
     def of(layout: LayoutConfig, model: ModelConfig) -> RestLayout:
-        """The embedding owned by the first stage's rank (unless tied), the head by the last's."""
+        """The embedding owned by the first stage's rank (unless tied), the head by the last's;
+        the vocabulary padded to :meth:`~jaxpar.config.ModelConfig.padded_vocab`."""
         stack, n = model.stack()
+        padded = model.padded_vocab(layout.tp)
+        vocab = (model.vocab_size, padded) if padded != model.vocab_size else (0, 0)
         if layout.pp <= 1:
-            return RestLayout(1, None, (), stack)
+            return RestLayout(1, None, (), stack, vocab)
         place = placement_for(layout.schedule, layout.pp, layout.virtual)
         owners = (("head", place[-1]),)
         if not model.tied_embeddings:
             owners = (("embed", place[0]), *owners)
-        return RestLayout(layout.pp, layer_order(layout, n), owners, stack)
+        return RestLayout(layout.pp, layer_order(layout, n), owners, stack, vocab)
 
     @property
     def identity(self) -> bool:
         """Whether the form at rest is the canonical one."""
-        return self.order is None and not self.owners
+        return self.order is None and not self.owners and not self.vocab[0]
 
     def owner(self, key: str) -> int | None:
         """The rank that owns top-level param ``key`` (None: not stage-owned)."""
         return dict(self.owners).get(key)
 
-    def _map(self, tree: Any, layers: Callable, owned: Callable, is_leaf=None) -> Any:
+    def _map(self, tree: Any, layers: Callable, owned: Callable, is_leaf=None,
+             vocab: Callable | None = None, to_rest: bool = True) -> Any:  # fmt: skip
+        """``layers`` on the stack's leaves, ``owned(x, rank)`` on stage-owned ones and
+        ``vocab(x, dim)`` (``dim``: the vocabulary dim in canonical form) on padded ones: the
+        padding applied before the owner's slot ``to_rest``, after it otherwise."""
         keys = frozenset((self.stack, *dict(self.owners)))
 
         def one(path, x):
@@ -108,7 +127,11 @@ class RestLayout:
             if key == self.stack:
                 return layers(x)
             r = self.owner(key) if key is not None else None
-            return x if r is None else owned(x, r)
+            dim = _vocab_dim(path) if vocab is not None and self.vocab[0] else None
+            if dim is not None and to_rest:
+                x = vocab(x, dim)
+            x = x if r is None else owned(x, r)
+            return x if dim is None or to_rest else vocab(x, dim)
 
         return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_leaf)
 
@@ -121,20 +144,39 @@ class RestLayout:
         def slot(x, r):
             return jnp.zeros((self.pp, *x.shape), x.dtype).at[r].set(x)
 
-        return self._map(tree, lambda x: _take(x, self.order), slot)
+        def pad(x, dim):
+            widths = [(0, 0)] * x.ndim
+            widths[dim] = (0, self.vocab[1] - self.vocab[0])
+            return jnp.pad(x, widths)
+
+        return self._map(tree, lambda x: _take(x, self.order), slot, vocab=pad)
 
     def to_canonical(self, tree: Any) -> Any:
-        """At rest -> canonical: the inverse of :meth:`to_rest` (the owner's slot)."""
+        """At rest -> canonical: the inverse of :meth:`to_rest` (the owner's slot, the true
+        vocabulary)."""
         inverse = None if self.order is None else np.argsort(self.order)
-        return self._map(tree, lambda x: _take(x, inverse), lambda x, r: x[r])
+
+        def cut(x, dim):
+            return jax.lax.slice_in_dim(x, 0, self.vocab[0], axis=dim)
+
+        return self._map(tree, lambda x: _take(x, inverse), lambda x, r: x[r], vocab=cut,
+                         to_rest=False)  # fmt: skip
 
     # ---- shapes, shardings, logical axes ----------------------------------------------------
 
     def rest_shapes(self, tree: Any) -> Any:
-        """ShapeDtypeStructs of :meth:`to_rest` of ``tree`` (owned leaves without a sharding)."""
+        """ShapeDtypeStructs of :meth:`to_rest` of ``tree`` (owned and padded leaves without a
+        sharding)."""
+
+        def pad(x, dim):
+            shape = list(x.shape)
+            shape[dim] = self.vocab[1]
+            return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
         return self._map(
-            tree, lambda x: x, lambda x, r: jax.ShapeDtypeStruct((self.pp, *x.shape), x.dtype)
-        )
+            tree, lambda x: x, lambda x, r: jax.ShapeDtypeStruct((self.pp, *x.shape), x.dtype),
+            vocab=pad,
+        )  # fmt: skip
 
     def rest_logical(self, logical: Any) -> Any:
         """Logical axes at rest: owned leaves lead with :data:`STAGE_AXIS`."""
@@ -143,8 +185,11 @@ class RestLayout:
 
     def shardings(self, shardings: Any, to: str) -> Any:
         """``NamedSharding``s of a tree converted ``to`` ``"rest"`` or ``"canonical"``: an
-        owned leaf gains (loses) ``pp`` on its leading dim; the others keep theirs."""
-        return self._map(shardings, lambda s: s, lambda s, r: _owned_sharding(s, to))
+        owned leaf gains (loses) ``pp`` on its leading dim, a padded one ``tp`` on its
+        vocabulary dim (the true vocabulary is not a multiple of tp); the others keep theirs."""
+        return self._map(shardings, lambda s: s, lambda s, r: _owned_sharding(s, to),
+                         vocab=lambda s, dim: _vocab_sharding(s, dim, to),
+                         to_rest=to == "rest")  # fmt: skip
 
     def canonical_abstract(self, abstract: Any) -> Any:
         """ShapeDtypeStructs with shardings of the canonical form of an at-rest tree (e.g. a
@@ -154,13 +199,33 @@ class RestLayout:
             s = _owned_sharding(x.sharding, "canonical")
             return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=s)
 
-        return self._map(abstract, lambda x: x, owned)
+        def cut(x, dim):
+            shape = list(x.shape)
+            shape[dim] = self.vocab[0]
+            s = _vocab_sharding(x.sharding, dim, "canonical")
+            return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=s)
+
+        return self._map(abstract, lambda x: x, owned, vocab=cut, to_rest=False)
 
 
 def _owned_sharding(s: NamedSharding, to: str) -> NamedSharding:
     """An owned leaf's sharding at rest (``pp`` on a new leading dim) or canonical (without)."""
     spec = P("pp", *s.spec) if to == "rest" else P(*tuple(s.spec)[1:])
     return NamedSharding(s.mesh, spec, memory_kind=s.memory_kind)
+
+
+def _vocab_dim(path: tuple) -> int | None:
+    """The canonical vocabulary dim of a leaf whose path ends in :data:`VOCAB_LEAVES`."""
+    keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+    return VOCAB_LEAVES.get(keys[-2:])
+
+
+def _vocab_sharding(s: NamedSharding, dim: int, to: str) -> NamedSharding:
+    """A padded leaf's sharding: ``tp`` on its vocabulary dim at rest, not in canonical form
+    (the true vocabulary does not split evenly over tp)."""
+    spec = list(s.spec) + [None] * (dim + 1 - len(s.spec))
+    spec[dim] = "tp" if to == "rest" else None
+    return NamedSharding(s.mesh, P(*spec), memory_kind=s.memory_kind)
 
 
 def _take(x: Any, index: np.ndarray | None) -> Any:

@@ -157,7 +157,8 @@ def head_time(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: 
               mem_bw: float) -> float:  # fmt: skip
     """Head matmul, fp32 loss work and backward of one micro-batch (last pipeline stage)."""
     b = shape.microbatch_size(lay) or 1
-    tokens, vocab = b * shape.seq / lay.sp, model.vocab_size / lay.tp
+    # the padded vocabulary when tp does not divide it (ModelConfig.padded_vocab)
+    tokens, vocab = b * shape.seq / lay.sp, model.padded_vocab(lay.tp) / lay.tp
     fwd, _ = _matmul(hw, tokens, model.d_model, vocab)
     loss = 6 * tokens * vocab * 4 / mem_bw  # logits, softmax and its gradient in fp32
     return 3 * fwd + loss

@@ -92,7 +92,7 @@ def memory(
         accum = wp * (pc.sharded if lay.zero >= 2 else pc.local)
     update = XLA_UPDATE * wp * pc.held("optimizer") * 2
 
-    vocab = model.vocab_size / lay.tp
+    vocab = model.padded_vocab(lay.tp) / lay.tp  # padded when tp does not divide it
     head_tokens = tokens if executor.loss == "dense" else min(tokens, executor.loss_chunk)
     head = XLA_HEAD * 4 * head_tokens * vocab
 

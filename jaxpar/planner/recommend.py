@@ -48,15 +48,12 @@ def check_hardware(raw: dict[str, Any] | None, mesh: C.MeshConfig) -> None:
 
 
 def _check_curve(name: str, curve) -> None:
-    ok = isinstance(curve, list) and curve and all(
-        isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p)
-        and p[0] >= 1 and 0 < p[1] <= 1 for p in curve
-    )  # fmt: skip
-    if not ok or [p[0] for p in curve] != sorted(p[0] for p in curve):
-        raise ConfigError(
-            f"mesh {name!r}: hardware.matmul_efficiency={curve!r}: must be [[size, share], ...] "
-            "with sizes >= 1 ascending and shares in (0, 1]"
-        )
+    """The run's own rule (:func:`jaxpar.validation.check_curve`); the planner needs a curve."""
+    where = f"mesh {name!r}: hardware.matmul_efficiency"
+    V.check_curve(where, curve)
+    if not curve:
+        raise ConfigError(f"{where}=[]: must be [[size, share], ...] (jaxpar bench --calibrate "
+                          "measures it)")  # fmt: skip
 
 
 def check_layout(cfg: C.RunConfig) -> None:

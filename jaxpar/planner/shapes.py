@@ -153,6 +153,10 @@ def _counts(key: tuple, tp: int, pp: int, dp: int, dp_shard: int, zero: int, ep:
     nz, zaxis = shd.zero_size(lay), shd.zero_axis(lay)
     tensors = {}
     for path, shape, logical in _descriptor(key):
+        # The vocabulary dim as the layout stores it: padded when tp does not divide it
+        # (ModelConfig.padded_vocab; jaxpar.pipeline.rest), the trainer's shape at rest.
+        shape = tuple(model.padded_vocab(tp) if ax == "vocab" else n
+                      for n, ax in zip(shape, logical, strict=True))  # fmt: skip
         spec = rules.spec(logical)
         zspec = shd.zero_spec(spec, shape, logical, nz, zaxis, rules.ep)
         tensors[path] = (math.prod(shape), _split(shape, spec, sizes), _split(shape, zspec, sizes))
