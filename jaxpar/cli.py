@@ -55,7 +55,8 @@ def _load(verb: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Parser with one sub-parser per available verb."""
+    """Parser with one sub-parser per available verb. No parser takes an abbreviated flag
+    (:func:`_exact_flags`)."""
     parser = Parser(prog="jaxpar", description="Parallel training of language models in JAX.")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for verb in VERBS:
@@ -64,8 +65,29 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         p = sub.add_parser(verb, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
-        p.set_defaults(_module=mod)
+        p.set_defaults(_module=mod, _parser=p)
+    _exact_flags(parser)
     return parser
+
+
+def _exact_flags(parser: argparse.ArgumentParser) -> None:
+    """``allow_abbrev=False`` on ``parser`` and every sub-parser under it (a verb's own
+    sub-commands too): ``jaxpar plan --layout auto`` once parsed as ``--layout-from-mesh``, and
+    a flag added later would change what an abbreviation means."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _exact_flags(sub)
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, with arguments the verb does not take refused by the verb's
+    own parser (``jaxpar plan: error: unrecognized arguments: ...``, not ``jaxpar: ...``)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 @contextlib.contextmanager
@@ -130,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu_unless_gpu()
     quiet_cuda_plugin_start()
     try:
-        args = build_parser().parse_args(argv)
+        args = parse(build_parser(), argv)
     except SystemExit as e:  # --help (0) or a refused flag (2, already printed in one line)
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     prefix = f"jaxpar {args.verb}"

@@ -1,7 +1,9 @@
 """Every code block of README.md, BENCHMARKS.md and docs/ runs, or says why it does not.
 
 The convention of the pages: a ```bash or ```python block is executed; ```text is sample output
-(``yaml``, ``json`` and ``toml`` blocks are data shown on the page) and is not run; a block whose
+(``yaml``, ``json`` and ``toml`` blocks are data shown on the page) and is not run, except a
+shown refusal: a ```text block of exactly ``$ jaxpar ...`` and one ``jaxpar VERB: error: ...``
+line is run at its place on the page and must exit 2 printing that line alone. A block whose
 previous non-blank line is ``<!-- not-run: REASON -->`` is not run (installs, multi-minute jobs,
 GPU-only commands), and the reason may not be empty. Any other fence (no language, an unknown
 one) fails, so nothing on a page is skipped silently.
@@ -35,6 +37,7 @@ NOT_RUN = re.compile(r"^<!--\s*not-run\s*(?::(?P<reason>.*?))?\s*-->$")
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[^`\s]*)\s*$")
 TIMEOUT_S = 300
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+REFUSAL = re.compile(r"\$ (?P<cmd>jaxpar [^\n]+)\n(?P<line>jaxpar [a-z-]+: error: [^\n]+)\n")
 
 
 class PageError(ValueError):
@@ -54,6 +57,12 @@ class Block:
     @property
     def runs(self) -> bool:
         return self.lang in RUN and self.not_run is None
+
+    @property
+    def refusal(self) -> tuple[str, str] | None:
+        """``(command, error line)`` of a shown refusal that is checked (module docstring)."""
+        m = REFUSAL.fullmatch(self.code) if self.lang == "text" and self.not_run is None else None
+        return (m.group("cmd"), m.group("line")) if m else None
 
 
 def parse(text: str, path: str = "<page>") -> list[Block]:
@@ -155,20 +164,38 @@ def run_block(block: Block, work: Path, env: dict[str, str]) -> None:
         )
 
 
+def check_refusal(block: Block, work: Path, env: dict[str, str]) -> None:
+    """Run a shown refusal's command in ``work``: exit 2, its error line alone on stderr."""
+    __tracebackhide__ = True
+    cmd, line = block.refusal or ("", "")
+    out = subprocess.run(["bash", "-c", cmd], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT_S)  # fmt: skip
+    if out.returncode != 2 or out.stdout or out.stderr.splitlines() != [line]:
+        pytest.fail(
+            f"{block.path}:{block.line}: the refusal shown is not what `{cmd}` does (exit "
+            f"{out.returncode})\n--- shown\n{line}\n--- stdout (tail)\n{out.stdout[-3000:]}\n"
+            f"--- stderr (tail)\n{out.stderr[-3000:]}"
+        )
+
+
 PAGES = pages()
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_page_blocks_run(page: Path, tmp_path: Path):
-    """Every runnable block of the page exits 0, in order, in one directory."""
+    """Every runnable block of the page exits 0, and every shown refusal is what its command
+    prints, in order, in one directory."""
     blocks = parse(page.read_text(), str(page.relative_to(ROOT)))
-    runnable = [b for b in blocks if b.runs]
+    runnable = [b for b in blocks if b.runs or b.refusal]
     if not runnable:
         return  # a page of prose, tables and marked blocks: parse() has checked its markers
     work, bin_dir = _workdir(tmp_path)
     env = _env(bin_dir)
     for block in runnable:
-        run_block(block, work, env)
+        if block.refusal:
+            check_refusal(block, work, env)
+        else:
+            run_block(block, work, env)
 
 
 def test_not_run_reasons_name_tests_that_exist():
@@ -229,6 +256,10 @@ def test_parse_reads_languages_and_markers():
         ("python", True, None),
     ]
     assert blocks[3].code == "print(1)\n" and blocks[0].line == 1
+    shown = "```text\n$ jaxpar train --dp 3\njaxpar train: error: layout: bad\n```\n"
+    assert parse(shown)[0].refusal == ("jaxpar train --dp 3", "jaxpar train: error: layout: bad")
+    assert parse("<!-- not-run: needs a GPU -->\n" + shown)[0].refusal is None
+    assert parse(shown.replace("$ ", ""))[0].refusal is None  # sample output, not a refusal
 
 
 def test_a_script_without_simulated_devices_is_told_how_to_get_them(tmp_path):

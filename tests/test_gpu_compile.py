@@ -9,6 +9,7 @@ saying so, they are not skipped.
 import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -16,8 +17,9 @@ import pytest
 from conftest import MODEL_YAML
 
 from jaxpar import config as C
-from jaxpar.cli import cpu_unless_gpu
+from jaxpar.cli import cpu_unless_gpu, main
 from jaxpar.errors import ConfigError
+from jaxpar.gpu import saved
 from jaxpar.gpu import targets as T
 
 GPU_MESHES = ("a100-8", "a100-40gb-8", "a100-64", "h100-8", "h100-1024", "h200-8")
@@ -229,8 +231,14 @@ def test_compile_zero3_saves_and_loads(tmp_path):
     assert out["saved"]["bytes"] == exe.stat().st_size > 0
     again = _compile(tmp_path, "--mesh", "a100-8", *layout, "--save", str(exe), check=False)
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
-        f"jaxpar compile: error: --save '{exe}': file exists; refusing to overwrite it"
+        f"jaxpar compile: error: argument --save: '{exe}': file exists; refusing to overwrite it"
     ]
+    data = exe.read_bytes()  # the real file, cut and altered: refused before unpickling
+    flip = data[:-9] + bytes([data[-9] ^ 1]) + data[-8:]
+    for name, bad in (("cut", data[: len(data) // 2]), ("flip", flip)):
+        (tmp_path / name).write_bytes(bad)
+        with pytest.raises(ConfigError, match=r"damaged: .* do not match its sha256"):
+            saved.read(tmp_path / name)
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
     )
@@ -240,6 +248,7 @@ def test_compile_zero3_saves_and_loads(tmp_path):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["target"]["gpu"] == "a100-sxm4-80gb" and got["executables"] == 1
     assert got["arguments"] > 10 and len(got["sha256"]) == 64
+    assert got["format"] == "jaxpar-gpu-executable/2" and len(got["file_sha256"]) == 64
     assert got["loaded"] is os.path.exists("/proc/driver/nvidia/version")
 
 
@@ -295,3 +304,78 @@ def test_guarded_update_keeps_the_state_when_not_finite(platform):
         got = jax.jit(lambda o, s: guarded(o, update, s, device))(jnp.asarray(ok), state)
         want = update(state) if ok else state
         jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_load_refuses_a_damaged_or_foreign_file_in_one_line(tmp_path, capsys):
+    """Issue 48: ``--load`` of a damaged or hand-made file ended in a traceback or loaded it
+    silently. A saved file is a format line, a sha256 of the rest and a JSON header: anything
+    else is refused in one line, exit 2, before any unpickling (no plugin needed)."""
+    target = {"gpu": "h100-sxm5-80gb", "topology": "1x1x8", "compute_capability": "9.0",
+              "plugin": "jax_cuda12_plugin 0", "cuda": "12.9", "cudnn": "9.8.0"}  # fmt: skip
+    good = saved.encode({"jax": "0"}, target, {"model": "tiny"}, b"body")
+    marker = tmp_path / "code-ran"
+    flipped = bytearray(good)
+    flipped[good.index(b"tiny")] ^= 1  # one bit of the header
+    files = {
+        "empty": (b"", "empty file, not a jaxpar GPU executable"),
+        "text": (b"hello\n", "not a jaxpar GPU executable (its first line is not"),
+        "pickle": (pickle.dumps(_RunsCode(marker)), "its first line is not"),  # the old format
+        "future": (good.replace(b"/2\n", b"/9\n", 1), "format 'jaxpar-gpu-executable/9'"),
+        "nosum": (good.replace(b"sha256:", b"md5:", 1), "its second line is not the sha256"),
+        "cut": (good[:-1], "damaged: its contents"),
+        "flipped": (bytes(flipped), "damaged: its contents"),
+        "header": (saved.encode({}, {"gpu": 1}, {}, b""), "its header: TypeError"),
+        "body": (good, "its body: "),  # checksummed and well-formed, but not jaxpar's body
+        "dir": (None, "cannot read it: Is a directory"),
+        "missing": (None, "cannot read it: No such file or directory"),
+    }
+    for name, (data, message) in files.items():
+        path = tmp_path / name
+        if name == "dir":
+            path.mkdir()
+        elif data is not None:
+            path.write_bytes(data)
+        assert main(["compile", "--load", str(path)]) == 2, name
+        out = capsys.readouterr()
+        assert out.out == "" and len(out.err.strip().splitlines()) == 1, (name, out.err)
+        assert out.err.startswith(f"jaxpar compile: error: --load='{path}': "), out.err
+        assert message in out.err, (name, out.err)
+    assert not marker.exists()  # the foreign pickle was never unpickled
+
+
+def test_outputs_are_checked_before_anything_compiles(tmp_path, capsys, monkeypatch):
+    """Issue 48: ``--save``/``--hlo`` targets were checked only after compiling, and
+    ``--save X --hlo X`` was accepted. Each output must be a new file in an existing directory
+    and no two the same file, refused in one line before the step is built."""
+    from jaxpar.commands import compile as compile_cmd
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old").write_text("x")
+    (tmp_path / "d").mkdir()
+    monkeypatch.setattr(compile_cmd, "build_config", lambda args: pytest.fail("it compiled"))
+    same = "the same file as --save; each output needs its own file"
+    load = "--load='y': checks a saved executable and compiles nothing;"
+    cases = [
+        (["--save", "old"], "argument --save: 'old': file exists; refusing to overwrite it"),
+        (["--hlo", "d"], "argument --hlo: 'd': is a directory, expected a file path"),
+        (["--save", "no/x"], "argument --save: 'no/x': directory 'no' does not exist"),
+        (["--hlo", ""], "argument --hlo: '': not a file path"),
+        (["--save", "x", "--hlo", "x"], f"--hlo='x': {same}"),
+        (["--save", "x", "--hlo", "./d/../x"], f"--hlo='./d/../x': {same}"),
+        (["--save", "t.json", "--trace", "t.json"], f"--trace='t.json': {same}"),
+        (["--load", "y", "--save", "x"], f"{load} --save does not apply to it"),
+        (["--load", "y", "--dp", "2"], f"{load} --dp does not apply to it"),
+    ]
+    for flags, message in cases:
+        assert main(["compile", "--mesh", "h100-8", *flags]) == 2, flags
+        out = capsys.readouterr()
+        assert out.err.splitlines() == [f"jaxpar compile: error: {message}"], (flags, out.err)
+    assert sorted(os.listdir(tmp_path)) == ["d", "old"]  # nothing written

@@ -4,6 +4,7 @@ training run)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -12,7 +13,7 @@ import yaml
 
 from jaxpar import config as C
 from jaxpar import validation as V
-from jaxpar.cli import main
+from jaxpar.cli import build_parser, main
 from jaxpar.planner import auto as A
 from jaxpar.planner import collectives as CO
 from jaxpar.planner import plan
@@ -165,6 +166,48 @@ def test_emit_flags_run_in_train_dry_run_for_every_ranked_layout(capsys, tmp_pat
     assert main([*argv, "--emit-flags", str(n + 1)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and f"between 1 and {n}" in err
+
+
+def test_emit_flags_of_a_given_layout_json_and_the_flags_they_refuse(capsys, tmp_path):
+    """Issue 48: ``--emit-flags`` printed the ranked pick whatever layout was given, printed no
+    JSON with ``--json``, and ignored ``--verify`` beside it; ``plan --layout auto`` parsed as
+    ``--layout-from-mesh`` (an abbreviation). A given layout's flags run that layout; ``--json``
+    ends with one object; the rest is one line, exit 2."""
+    model = tmp_path / "small.yaml"
+    model.write_text(yaml.safe_dump(SMALL))
+    argv = ["plan", "--model", str(model), "--mesh", "cpu-8", "--global-batch", "8", "--seq",
+            "32"]  # fmt: skip
+    given = ["--dp", "2", "--tp", "4", "--pp", "1", "--zero", "2"]
+    assert main([*argv, *given, "--emit-flags", "1", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    emitted = json.loads(lines[-1])
+    assert emitted["rank"] is None and lines[0].split() == emitted["flags"]
+    assert main(["train", "--dry-run", "--json", *emitted["flags"]]) == 0
+    got = _last_json(capsys.readouterr().out)["layout"]
+    assert (got["dp"], got["tp"], got["pp"], got["zero"]) == (2, 4, 1, 2)
+    assert main([*argv, "--emit-flags", "1", "--json"]) == 0  # the ranked pick, with its JSON
+    ranked = _last_json(capsys.readouterr().out)
+    cfg = C.load(str(model), "cpu-8")
+    cfg.train.global_batch, cfg.train.seq_len = 8, 32
+    pick = plan(cfg, top=0)["layout"]
+    assert ranked["rank"] == 1 and ranked["layout"] == pick
+    assert main([*argv, "--layout", "auto", "--json"]) == 0  # the search, not the mesh layout
+    assert _last_json(capsys.readouterr().out)["layout"] == pick
+    for extra, message in [
+        (["--emit-flags", "1", "--verify", "1"], "--verify=1: conflicts with --emit-flags"),
+        ([*given, "--emit-flags", "2"], "--emit-flags=2: a given layout is one layout"),
+        (["--layout", "auto", "--dp", "2"], "--layout=auto: conflicts with --dp"),
+        (["--layout-from", "--json"], "unrecognized arguments: --layout-from"),
+        (["--emit", "1"], "unrecognized arguments: --emit 1"),
+    ]:
+        assert main([*argv, *extra]) == 2, extra
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.startswith(f"jaxpar plan: error: {message}"), out.err
+        assert len(out.err.strip().splitlines()) == 1
+    parser = build_parser()  # no verb of the command line takes an abbreviated flag
+    verbs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)][0]
+    assert parser.allow_abbrev is False
+    assert all(p.allow_abbrev is False for p in verbs.choices.values())
 
 
 def test_emit_flags_are_compile_flags_for_a_pod():

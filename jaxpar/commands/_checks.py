@@ -98,6 +98,15 @@ def writable_file(text: str) -> str:
     return text
 
 
+def new_file(text: str) -> str:
+    """A :func:`writable_file` that does not exist yet: an output written once and never
+    replaced (``jaxpar compile --save/--hlo``), refused when parsing, before anything runs."""
+    writable_file(text)
+    if os.path.lexists(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: file exists; refusing to overwrite it")
+    return text
+
+
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg")
 
 

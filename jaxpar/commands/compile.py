@@ -4,9 +4,13 @@ The mesh file names the pod (``hardware.gpu``, ``devices``, ``devices_per_node``
 ``xla_flags``); the layout flags are ``jaxpar train``'s. Nothing runs on a GPU: XLA:GPU compiles
 for the described target (:mod:`jaxpar.gpu`), and the report puts the program's memory,
 collectives and their overlap beside the planner's figures (keys: :mod:`jaxpar.gpu.report`).
-``--save FILE`` writes the serialized executable (:mod:`jaxpar.gpu.saved`); ``--load FILE``
-checks one against this machine's target and prints its header. Without the jax CUDA plugin
-the command says what to install (exit 2).
+``--save FILE`` writes the serialized executable (:mod:`jaxpar.gpu.saved`: a format line, a
+sha256 checksum, a header); ``--load FILE`` checks one against this machine's target and prints
+its header (a damaged, hand-made or foreign file is refused in one line). The output files
+(``OUTPUTS``: ``--save``, ``--hlo``, ``--trace``) are checked before anything compiles: files in
+writable directories (``--save`` and ``--hlo`` new ones, when the flags are parsed), no two the
+same file, none beside ``--load``. Without the jax CUDA plugin the command says what to install
+(exit 2).
 
 ``--trace FILE.json`` writes the step as :mod:`jaxpar.gpu.timing` simulates it on the target, in
 the Chrome/Perfetto trace format (a compute track and one per communication stream); a path
@@ -27,9 +31,15 @@ STEP_FLAGS = ("global_batch", "seq_len", "devices", "dp", "tp", "pp", "sp", "zer
               "microbatches", "schedule", "virtual", "pipeline_memory", "sp_mode", "remat",
               "offload", "compute_dtype")  # fmt: skip
 
+# The files the command writes (flag dests), no two the same file and none beside --load
+# (check_outputs, before compiling); --save and --hlo are new files (_checks.new_file, when
+# parsing), --trace is checked by jaxpar.gpu.trace.check_trace_path.
+OUTPUTS = ("save", "hlo", "trace")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``jaxpar compile``."""
+    from jaxpar.commands import _checks as K
     from jaxpar.commands.flags import FLAGS
 
     p.add_argument("--model", default="tiny", help="model name (models/NAME.yaml) or YAML path")
@@ -44,9 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "recorded in the JSON as auto_layout)")  # fmt: skip
     p.add_argument("-o", "--override", action="append", default=[], metavar="FIELD=VALUE",
                    help="set any config field, e.g. -o model.attention=blockwise")  # fmt: skip
-    p.add_argument("--save", default=None, metavar="FILE", help="write the executable (new file)")
+    p.add_argument("--save", type=K.new_file, default=None, metavar="FILE",
+                   help="write the executable (a new file)")  # fmt: skip
     p.add_argument("--load", default=None, metavar="FILE", help="check a saved executable")
-    p.add_argument("--hlo", default=None, metavar="FILE", help="write the optimized HLO text")
+    p.add_argument("--hlo", type=K.new_file, default=None, metavar="FILE",
+                   help="write the optimized HLO text (a new file)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--trace", default=None, metavar="FILE.json",
                    help="write the simulated step as a Chrome trace (Perfetto)")  # fmt: skip
@@ -81,6 +93,7 @@ def _load(path: str, as_json: bool) -> int:
     out = {
         "file": path,
         "format": got.saved.format,
+        "file_sha256": got.saved.sha256,
         "versions": got.saved.versions,
         "target": got.saved.target,
         "run": got.saved.run,
@@ -99,14 +112,40 @@ def _load(path: str, as_json: bool) -> int:
     return 0
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before anything compiles, two output flags naming one file (``--save X --hlo
+    X``, or the same file by two spellings) and outputs or layout flags beside ``--load``
+    (which compiles and writes nothing). ``--save`` and ``--hlo`` are already new files in
+    writable directories (``_checks.new_file``, when parsing)."""
+    from jaxpar.errors import ConfigError
+
+    given = [(name, getattr(args, name, None)) for name in OUTPUTS]
+    given = [(name, path) for name, path in given if path is not None]
+    if args.load is not None:
+        layout = [n for n in STEP_FLAGS if getattr(args, n, None) is not None]
+        layout += [n for n in ("sequence_parallel", "layout") if getattr(args, n, None)]
+        layout += ["override"] if getattr(args, "override", None) else []
+        other = [f"--{n}" for n, _ in given] + [f"--{n.replace('_', '-')}" for n in layout]
+        if other:
+            raise ConfigError(f"--load={args.load!r}: checks a saved executable and compiles "
+                              f"nothing; {other[0]} does not apply to it")  # fmt: skip
+    seen: dict[str, str] = {}
+    for name, path in given:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ConfigError(f"--{name}={path!r}: the same file as --{seen[real]}; each "
+                              "output needs its own file")  # fmt: skip
+        seen[real] = name
+
+
 def run(args: argparse.Namespace) -> int:
     """Compile and report; bad input is refused in one line (exit 2) before compiling."""
-    from jaxpar.errors import ConfigError
     from jaxpar.gpu.targets import require_plugin, target_for
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the process itself runs on the CPU
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
-    if args.load:
+    check_outputs(args)
+    if args.load is not None:
         return _load(args.load, args.json)
     if args.trace is not None:
         from jaxpar.gpu.timing import check_trace_path
@@ -118,8 +157,6 @@ def run(args: argparse.Namespace) -> int:
     check_estimate(cfg)
     if args.auto_layout is not None and args.auto_layout.get("fits") is False:
         return 1  # nothing fits the pod: the plan's verdict is printed
-    if args.save and os.path.exists(args.save):
-        raise ConfigError(f"--save {args.save!r}: file exists; refusing to overwrite it")
     plug = require_plugin()
     target = target_for(cfg.mesh, plug)
     from jaxpar.distributed import run_xla_flags
@@ -135,10 +172,10 @@ def run(args: argparse.Namespace) -> int:
     out["xla_flags"]["withheld"] = [f for f in cfg.mesh.hardware.xla_flags if f not in run_flags]
     if args.auto_layout is not None:
         out["auto_layout"] = args.auto_layout
-    if args.hlo:
+    if args.hlo is not None:
         with open(args.hlo, "x") as f:
             f.write(compiled.compiled.as_text())
-    if args.save:
+    if args.save is not None:
         from jaxpar.gpu.saved import save
 
         run_info = {"model": cfg.model.name, "mesh": cfg.mesh.name, "layout": out["layout"]}

@@ -49,12 +49,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cost the mesh file's own layout instead of searching",
     )
     p.add_argument(
+        "--layout",
+        choices=["auto"],
+        default=None,
+        help="auto: search every layout and rank them (what plan does without layout flags; "
+        "as `jaxpar train --layout auto` picks)",
+    )
+    p.add_argument(
         "--emit-flags",
         type=K.positive_int,
         default=None,
         metavar="N",
-        help="print the `jaxpar train` flags of ranked layout N (1 = the recommendation) and "
-        "nothing else: jaxpar plan ... --emit-flags 1 | xargs jaxpar train --dry-run",
+        help="print the `jaxpar train` flags of ranked layout N (1 = the recommendation), or "
+        "of the given layout (N = 1), and nothing else (with --json, a JSON object follows): "
+        "jaxpar plan ... --emit-flags 1 | xargs jaxpar train --dry-run",
     )
     p.add_argument(
         "--verify",
@@ -84,21 +92,12 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None:
         C.override(cfg, "mesh.devices", args.devices)
     V.check_values(cfg)  # model, hardware and batch figures, before any search
-    if args.emit_flags is not None:
-        from jaxpar.planner.auto import train_flags
-
-        print(" ".join(train_flags(cfg, args.emit_flags, args.model, args.mesh)))
-        return 0
     stated = {"global_batch": args.global_batch, "seq_len": args.seq}
     sources = {k: "command line" for k, v in stated.items() if v is not None}
     given = [n for n in LAYOUT_FLAGS if getattr(args, n) is not None]
     if args.sequence_parallel:
         given.append("sequence_parallel")
-    if args.verify is not None and (given or args.layout_from_mesh):
-        from jaxpar.errors import ConfigError
-
-        raise ConfigError("--verify: verifies the searched ranking; compile a given layout "
-                          "with jaxpar compile")  # fmt: skip
+    _check_modes(args, given)
     if given or args.layout_from_mesh:
         if not args.layout_from_mesh:
             # a given layout starts from the defaults, not from the mesh file's layout
@@ -106,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
         for n in given:
             C.override(cfg, f"layout.{n}", getattr(args, n) if n != "sequence_parallel" else True)
         result = cost_layout(cfg, given=sources)
+        if args.emit_flags is not None:
+            return _emit_flags(args, cfg, result)
+    elif args.emit_flags is not None:
+        return _emit_flags(args, cfg, None)
     else:
         if args.top < 0:
             from jaxpar.errors import ConfigError
@@ -135,6 +138,57 @@ def run(args: argparse.Namespace) -> int:
     if rows is not None:
         return 0 if result["verified_pick"] is not None else 1
     return 0 if result.get("fits", False) else 1
+
+
+def _check_modes(args: argparse.Namespace, given: list[str]) -> None:
+    """Refuse flags that ask for two things at once (one line, before any search)."""
+    from jaxpar.errors import ConfigError
+
+    if args.layout == "auto" and (given or args.layout_from_mesh):
+        first = given[0] if given else "layout_from_mesh"
+        raise ConfigError(f"--layout=auto: conflicts with --{first.replace('_', '-')} (the "
+                          "planner chooses every layout field)")  # fmt: skip
+    if args.verify is not None and args.emit_flags is not None:
+        raise ConfigError(f"--verify={args.verify}: conflicts with --emit-flags (--emit-flags "
+                          "prints a ranked layout without compiling; run --verify first, then "
+                          "--emit-flags with the verified pick's rank)")  # fmt: skip
+    if args.verify is not None and (given or args.layout_from_mesh):
+        raise ConfigError("--verify: verifies the searched ranking; compile a given layout "
+                          "with jaxpar compile")  # fmt: skip
+    if args.emit_flags not in (None, 1) and (given or args.layout_from_mesh):
+        raise ConfigError(f"--emit-flags={args.emit_flags}: a given layout is one layout; "
+                          "must be 1")  # fmt: skip
+
+
+def _emit_flags(args: argparse.Namespace, cfg, costed: dict | None) -> int:
+    """``--emit-flags N``: the train flags of ranked layout N, or of the given layout
+    (``costed``: its :func:`cost_layout` result; refused when it does not fit). With
+    ``--json`` one JSON object follows them: ``rank`` (null for a given layout), ``layout``
+    (as ``jaxpar plan --json`` shows it), ``flags``."""
+    from jaxpar.errors import ConfigError
+    from jaxpar.planner.auto import layout_flags, train_flags
+    from jaxpar.planner.explain import summary
+    from jaxpar.planner.recommend import rank_layouts
+    from jaxpar.report import emit_json, human_bytes
+
+    if costed is None:
+        ranking = rank_layouts(cfg)
+        rank = args.emit_flags
+        flags = train_flags(cfg, rank, args.model, args.mesh, ranking)
+        shown = summary(ranking.ranked[rank - 1], cfg.model, cfg.mesh.hardware, ranking.shape)
+        layout = shown["layout"]
+    else:
+        if not costed.get("fits", False):
+            need, usable = costed["memory_per_device_bytes"], costed["memory_usable_bytes"]
+            raise ConfigError(f"--emit-flags={args.emit_flags}: the given layout does not fit "
+                              f"({human_bytes(need)} of {human_bytes(usable)} usable per "
+                              "device); nothing to emit")  # fmt: skip
+        rank, layout = None, costed["layout"]
+        flags = layout_flags(cfg, cfg.mesh.layout, args.model, args.mesh)
+    print(" ".join(flags))
+    if args.json:
+        emit_json({"rank": rank, "layout": layout, "flags": flags})
+    return 0
 
 
 def _dtype(cfg) -> str:

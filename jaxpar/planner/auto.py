@@ -115,9 +115,15 @@ def train_flags(
             if r.ranked
             else f"--emit-flags={index}: no layout fits, nothing to emit"
         )
-    lay = r.ranked[index - 1].layout
+    return layout_flags(cfg, r.ranked[index - 1].layout, model_arg, mesh_arg)
+
+
+def layout_flags(cfg: C.RunConfig, lay: C.LayoutConfig, model_arg: str, mesh_arg: str) -> list[str]:
+    """``jaxpar train`` flags running ``lay`` on ``cfg``'s model, mesh and workload (every
+    layout field stated; ``jaxpar plan --emit-flags`` of a ranked or a given layout)."""
+    t = cfg.train
     out = ["--model", model_arg, "--mesh", mesh_arg,
-           "--global-batch", str(r.shape.global_batch), "--seq-len", str(r.shape.seq)]  # fmt: skip
+           "--global-batch", str(t.global_batch), "--seq-len", str(t.seq_len)]  # fmt: skip
     for name, flag in FLAG_OF.items():
         value = getattr(lay, name)
         text = str(value).lower() if isinstance(value, bool) else str(value)
