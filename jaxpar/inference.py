@@ -131,8 +131,9 @@ def resolve(args: argparse.Namespace, layout_flags: tuple[str, ...], **layout: A
         if args.step is not None:
             raise ConfigError("--step: only with --checkpoint-dir")
         if args.model is None:
-            cfg.model = hf.model_config(hf_dir)
-        hf.check_config(hf_dir, cfg.model)
+            cfg.model = hf.model_config(hf_dir, where="--init-from-hf")
+        # config.json and every tensor header, before JAX starts
+        hf.check(hf_dir, cfg.model, where="--init-from-hf")
         if (Path(hf_dir) / "tokenizer.json").is_file():
             tok = T.HFTokenizer(hf_dir, where="--init-from-hf").identity()
     saved_data = meta.get("data", {}) if ck is not None else {}

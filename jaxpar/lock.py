@@ -237,13 +237,17 @@ def _signals_held() -> Iterator[None]:
 
 
 class Interrupted(CheckpointError):
-    """A SIGTERM/SIGINT arrived before the run could stop at a step (nothing was saved)."""
+    """A SIGTERM/SIGINT that ends the run at once: before training started (nothing was run
+    or saved: the default ``message``), or a second signal during training, whose message the
+    loop writes (:func:`jaxpar.train.loop.run`: the step reached, the checkpoint kept)."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, message: str | None = None):
         self.signum = signum
         self.exit_code = 128 + signum  # the shell's convention for a process ended by a signal
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} before training started; no step was run or saved")
+        super().__init__(
+            message or f"stopped by {name} before training started; no step was run or saved"
+        )
 
 
 @contextlib.contextmanager

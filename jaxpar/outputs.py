@@ -9,21 +9,25 @@ refuses outputs that are not this run's to write:
 
 - a metrics file inside another run's checkpoint directory (it would add a second copy of
   steps to that run's records);
-- a metrics file holding lines jaxpar did not write (a resume cuts the file back to its step,
-  which would delete them): refused unless ``train.force``, which then replaces it whole. A
-  line of jaxpar's cut by a crash (it starts ``{"``) is jaxpar's own;
+- a metrics file holding a line jaxpar did not write (a resume cuts the file back to its step,
+  which would delete it): a ``#`` comment, another program's JSON, a record with a field
+  jaxpar does not write (:data:`jaxpar.metrics.RECORDS`). Refused unless ``train.force``, which
+  then replaces it whole. A record of jaxpar's cut by a crash is jaxpar's own;
 - an export directory holding files jaxpar's export does not write: refused unless
   ``train.force``, which replaces the directory whole (:func:`jaxpar.model.hf.export`).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from jaxpar.config import RunConfig
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.lock import _HELD, LOCK_NAME, RunLock, output_lock, write_atomic
+from jaxpar.metrics import foreign_line, foreign_refusal
+
+__all__ = ["check_outputs", "foreign_line", "is_checkpoint_dir", "lock_outputs", "metrics_field",
+           "metrics_path"]  # fmt: skip
 
 MANIFEST = "jaxpar_manifest.json"  # the checkpoint module's integrity record (no import: no JAX)
 
@@ -32,6 +36,15 @@ def metrics_path(cfg: RunConfig) -> str | None:
     """The metrics file of a run: ``train.metrics_file``, else the checkpoint dir's own."""
     t = cfg.train
     return t.metrics_file or (f"{t.checkpoint_dir}/metrics.jsonl" if t.checkpoint_dir else None)
+
+
+def metrics_field(cfg: RunConfig) -> str:
+    """The metrics file named by the flag that chose it: ``train.metrics_file=...``, or the
+    checkpoint directory's own file (the user gave no metrics file)."""
+    t = cfg.train
+    if t.metrics_file:
+        return f"train.metrics_file={t.metrics_file!r}"
+    return f"train.checkpoint_dir={t.checkpoint_dir!r}: metrics.jsonl"
 
 
 def is_checkpoint_dir(directory: Path) -> bool:
@@ -44,26 +57,6 @@ def is_checkpoint_dir(directory: Path) -> bool:
         )
     except OSError:
         return False
-
-
-def foreign_line(path: Path) -> tuple[int, str] | None:
-    """The first line of a metrics file that jaxpar did not write, as ``(number, text)``."""
-    try:
-        f = open(path, "rb")
-    except OSError:
-        return None
-    with f:
-        for n, raw in enumerate(f, 1):
-            line = raw.decode("utf-8", errors="replace").strip()
-            if not line or line.startswith('{"'):  # a record, or one cut short by a crash
-                try:
-                    rec = json.loads(line) if line.endswith("}") else {}
-                except ValueError:
-                    rec = {}
-                if isinstance(rec, dict):
-                    continue
-            return n, line[:60]
-    return None
 
 
 def check_outputs(cfg: RunConfig) -> None:
@@ -80,11 +73,7 @@ def check_outputs(cfg: RunConfig) -> None:
             )
         bad = foreign_line(m) if m.is_file() else None
         if bad and not t.force:
-            raise ConfigError(
-                f"train.metrics_file={metrics!r}: line {bad[0]} ({bad[1]!r}) is not a jaxpar "
-                "record, so this is not a jaxpar metrics file; choose another file, or pass "
-                "--force to replace it whole"
-            )
+            raise foreign_refusal(metrics_field(cfg), bad)
     if t.export_hf:
         from jaxpar.model.hf import check_export_target
 
@@ -115,7 +104,7 @@ def lock_outputs(cfg: RunConfig) -> list[RunLock]:
                 locks.append(RunLock(d / LOCK_NAME, what).acquire())
             metrics = metrics_path(cfg)
             if metrics:
-                locks.append(output_lock(metrics, f"train.metrics_file={metrics!r}"))
+                locks.append(output_lock(metrics, metrics_field(cfg)))
             if t.export_hf:
                 locks.append(output_lock(t.export_hf, f"train.export_hf={t.export_hf!r}"))
             check_outputs(cfg)

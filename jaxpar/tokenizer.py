@@ -2,9 +2,11 @@
 
 Two kinds, one interface (:class:`Tokenizer`):
 
-- ``byte``: UTF-8 bytes are the tokens (vocabulary 256, the embedded corpus's encoding). Byte 0
-  (NUL, absent from text) is the end-of-document token, so a byte-level token file fits the
-  default 256-token model; NUL characters in the input are dropped.
+- ``byte``: UTF-8 bytes are the tokens (vocabulary 256, the embedded corpus's encoding), every
+  byte of a text, so ``decode(encode(text)) == text``. Byte 0 (NUL, absent from text) is also
+  the end-of-document token, so a byte-level token file fits the default 256-token model;
+  :func:`document_ids` therefore drops NUL characters from the documents of a token file (one
+  would split its document), while a prompt keeps them (the model reads what it was given).
 - a directory holding ``tokenizer.json`` (Hugging Face ``tokenizers``; e.g. a Llama
   checkpoint's own directory, or one written by :func:`train_bpe`). Its end-of-text token comes
   from ``tokenizer_config.json`` (``eos_token``), else ``config.json``/``generation_config.json``
@@ -54,7 +56,7 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes; byte 0 ends a document."""
+    """UTF-8 bytes, every one of them (NUL too); byte 0 ends a document."""
 
     vocab_size = 256
     eos_id = 0
@@ -63,10 +65,11 @@ class ByteTokenizer:
         return {"kind": BYTE}
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [list(t.replace("\0", "").encode("utf-8")) for t in texts]
+        return [list(t.encode("utf-8")) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return bytes(int(i) for i in ids if 0 < int(i) < 256).decode("utf-8", errors="replace")
+        # ids beyond the bytes (a model vocabulary above 256) are no text: left out
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -164,7 +167,11 @@ def from_identity(identity: dict[str, Any] | None, where: str) -> Tokenizer | No
 
 
 def document_ids(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
-    """Each text's ids followed by the end-of-text token (documents are separated by it)."""
+    """Each text's ids followed by the end-of-text token (documents are separated by it). The
+    byte tokenizer's end-of-text token is byte 0, so a NUL inside a text is dropped here: it
+    would end the document early."""
+    if isinstance(tok, ByteTokenizer):
+        texts = [t.replace("\0", "") for t in texts]
     out = tok.encode_batch(texts)
     if tok.eos_id is not None:
         for ids in out:

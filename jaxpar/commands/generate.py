@@ -49,10 +49,28 @@ def _prompts(args: argparse.Namespace) -> list[str]:
         except UnicodeDecodeError as e:
             line = raw[: e.start].count(b"\n") + 1
             raise ConfigError(f"{where}: line {line}: not UTF-8 text (byte {e.start})") from None
-        prompts += [ln for ln in text.splitlines() if ln.strip()]
+        # one prompt a line: split at "\n" (and "\r\n") only, so a prompt keeps every other
+        # character (str.splitlines would also split at form feeds, \x1c-\x1e, \u2028, ...)
+        lines = (ln[:-1] if ln.endswith("\r") else ln for ln in text.split("\n"))
+        prompts += [ln for ln in lines if ln.strip()]
     if not prompts:
         raise ConfigError("--prompt: no prompts given (--prompt TEXT or --prompts-file FILE)")
     return prompts
+
+
+def _check_nul(texts: list[str], prompts: list[list[int]], tok) -> None:
+    """Refuse a prompt whose NUL characters the tokenizer does not keep (a normaliser that
+    strips control characters): the model would read another prompt than the one given. The
+    byte tokenizer keeps them (byte 0)."""
+    from jaxpar.errors import ConfigError
+
+    for i, (text, ids) in enumerate(zip(texts, prompts, strict=True)):
+        if "\0" in text and tok.decode(ids).count("\0") != text.count("\0"):
+            where = tok.identity().get("path", tok.identity().get("kind"))
+            raise ConfigError(
+                f"prompt {i + 1}: a NUL character at position {text.index(chr(0))}: the "
+                f"tokenizer {where} drops it; remove it, or use a tokenizer that keeps it"
+            )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             f"{m.vocab_size}"
         )
     prompts = tok.encode_batch(texts)
+    _check_nul(texts, prompts, tok)
     check_prompts(prompts, args.max_new_tokens, m.max_seq_len)
 
     mesh = inference.start(src)

@@ -22,6 +22,12 @@ Rotary embeddings need no permutation: HF Llama's ``rotate_half`` pairs dimensio
 frequencies ``theta^(-2i/Dh)``. Scaled RoPE variants (``rope_type`` other than ``default``),
 attention/MLP biases and activations other than SiLU are refused clearly.
 
+Before anything is read, :func:`check` holds the files to the model: every tensor it needs
+present and of its shape, every tensor of a float dtype (F16, BF16, F32, F64: an integer or
+quantised tensor is refused, not cast), and no tensor it does not have (a bias, an extra
+layer: refused, not dropped), each stored once. Only ``rotary_emb.inv_freq`` buffers, which
+older ``transformers`` saved and jaxpar computes from ``rope_theta``, are passed over.
+
 Loading is lazy and layout-aware: each parameter is created with
 ``jax.make_array_from_callback`` in its target sharding, so a host reads only the tensors its
 own devices need. BF16 tensors (which numpy cannot name) are read through a memory map of the
@@ -192,15 +198,20 @@ def _entries(c: ModelConfig) -> list[_Entry]:
 # ---- config.json ------------------------------------------------------------------------------
 
 
-def read_config(directory: str | Path) -> dict[str, Any]:
+# How a refusal names the directory: the field of ``jaxpar train``; ``eval`` and ``generate``
+# pass their flag (``--init-from-hf``), which sets no such field.
+FIELD = "train.init_from_hf"
+
+
+def read_config(directory: str | Path, where: str = FIELD) -> dict[str, Any]:
     """The checkpoint's ``config.json`` as a dict."""
     path = Path(directory) / "config.json"
     if not Path(directory).is_dir():
         gone = not Path(directory).exists()
         why = "does not exist" if gone else "is a file, expected a directory"
-        raise ConfigError(f"train.init_from_hf={str(directory)!r}: {why}")
+        raise ConfigError(f"{where}={str(directory)!r}: {why}")
     if not path.exists():
-        raise ConfigError(f"train.init_from_hf={str(directory)!r}: no config.json in the directory")
+        raise ConfigError(f"{where}={str(directory)!r}: no config.json in the directory")
     data = typed.read_json(path, 1 << 20)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object at the top level")
@@ -214,9 +225,9 @@ def _rope(hf: dict[str, Any]) -> tuple[float, str]:
     return float(theta), str(kind)
 
 
-def model_config(directory: str | Path, name: str | None = None) -> ModelConfig:
+def model_config(directory: str | Path, name: str | None = None, where: str = FIELD) -> ModelConfig:
     """A jaxpar :class:`ModelConfig` with the shape of the checkpoint in ``directory``."""
-    hf = read_config(directory)
+    hf = read_config(directory, where)
     try:
         return _model_config(hf, directory, name)
     except ConfigError:  # already one line naming the file (a ValueError too)
@@ -274,11 +285,11 @@ def _check_supported(hf: dict[str, Any], directory: str | Path) -> None:
             raise ConfigError(f"{where}: {key}={value!r}: {rule}")
 
 
-def check_config(directory: str | Path, cfg: ModelConfig) -> None:
+def check_config(directory: str | Path, cfg: ModelConfig, where: str = FIELD) -> None:
     """Refuse a checkpoint whose config.json disagrees with ``cfg`` (naming the field)."""
     if cfg.mlp != "swiglu":
         raise ConfigError(f"model.mlp={cfg.mlp!r}: Hugging Face Llama weights need 'swiglu'")
-    theirs = model_config(directory, cfg.name)
+    theirs = model_config(directory, cfg.name, where)
     for f in ("n_heads", "n_kv_heads", "hd", "tied_embeddings", "rope_theta", "norm_eps"):
         a, b = getattr(theirs, f), getattr(cfg, f)
         if (abs(a - b) > 1e-12 * abs(b)) if isinstance(b, float) else a != b:
@@ -295,17 +306,22 @@ def check_config(directory: str | Path, cfg: ModelConfig) -> None:
 class _Reader:
     """Tensors of every ``*.safetensors`` file of a directory, read on demand as numpy."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, where: str = FIELD):
         from safetensors import safe_open
 
         self.files = sorted(Path(directory).glob("*.safetensors"))
         if not self.files:
-            raise ConfigError(f"train.init_from_hf={str(directory)!r}: no *.safetensors files")
+            raise ConfigError(f"{where}={str(directory)!r}: no *.safetensors files")
         self.where: dict[str, Path] = {}
         self.meta: dict[str, tuple[list[int], str]] = {}
         for p in self.files:
             # checked here, so safetensors itself never meets a truncated or garbage file
             for k, info in read_header(p).items():
+                if k in self.where:  # which copy would be read would depend on file order
+                    raise ConfigError(
+                        f"{k}: in both {self.where[k].name} and {p.name}: a tensor must be "
+                        f"stored once (in {directory})"
+                    )
                 self.where[k] = p
                 self.meta[k] = (list(info["shape"]), info["dtype"])
         del safe_open
@@ -421,15 +437,27 @@ def _get(tree: Params, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def check(directory: str | Path, cfg: ModelConfig) -> _Reader:
-    """Refuse a checkpoint that does not fit ``cfg`` (config fields, then every tensor's name and
-    shape) without reading tensor data; cheap enough to run before compiling anything."""
-    check_config(directory, cfg)
-    reader = _Reader(directory)
+# The dtypes weights are read from (as float32); an integer or 8-bit float tensor is not a
+# weight jaxpar can use as it is (quantised checkpoints need their own dequantisation).
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+# Buffers older transformers saved beside the weights; jaxpar computes them (from rope_theta).
+_BUFFERS = ("model.layers.{i}.self_attn.rotary_emb.inv_freq",)
+
+
+def check(directory: str | Path, cfg: ModelConfig, where: str = FIELD) -> _Reader:
+    """Refuse a checkpoint that does not fit ``cfg`` without reading tensor data (cheap enough
+    to run before compiling anything): the config fields, then every tensor: each one the
+    model needs present, of its shape and of a float dtype (:data:`FLOAT_DTYPES`), and no
+    tensor the model does not have (which would be dropped without a word). ``where`` names
+    the directory in a refusal (:data:`FIELD`, or the flag that gave it)."""
+    check_config(directory, cfg, where)
+    reader = _Reader(directory, where)
+    expected: set[str] = set()
     for e in _entries(cfg):
         want = e.hf_shape(cfg)
         for i in range(cfg.n_layers) if e.stacked else [None]:
             for name in e.names(i, cfg):
+                expected.add(name)
                 if name not in reader.meta:
                     raise ConfigError(f"{name}: missing from the safetensors files in {directory}")
                 if reader.shape(name) != want:
@@ -437,6 +465,21 @@ def check(directory: str | Path, cfg: ModelConfig) -> _Reader:
                         f"{name}: shape {list(reader.shape(name))} does not match the model "
                         f"config (expected {list(want)})"
                     )
+    buffers = {b.format(i=i) for b in _BUFFERS for i in range(cfg.n_layers)}
+    for name, (shape, dtype) in sorted(reader.meta.items()):
+        if name not in expected and name not in buffers:
+            kind = "Mixtral" if cfg.moe.enabled else "Llama"
+            raise ConfigError(
+                f"{name}: shape {shape} in {reader.where[name].name}: not a tensor of this "
+                f"model (a {kind} with this config.json has no such tensor; it would be "
+                "ignored)"
+            )
+        if dtype not in FLOAT_DTYPES:
+            raise ConfigError(
+                f"{name}: dtype {dtype} in {reader.where[name].name}: weights must be stored "
+                f"as a float type ({', '.join(FLOAT_DTYPES)}); a quantised or integer "
+                "checkpoint is not read"
+            )
     return reader
 
 

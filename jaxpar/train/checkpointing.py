@@ -124,8 +124,9 @@ def open_checkpoints(cfg: C.RunConfig) -> tuple[Checkpointer | None, int | None]
     t = cfg.train
     want_resume = t.resume or t.resume_or_start
     if not t.checkpoint_dir:
-        if want_resume:
-            raise ConfigError("train.resume=True: needs train.checkpoint_dir (--checkpoint-dir)")
+        if want_resume:  # named by the flag given (--resume or --resume-or-start)
+            given = "train.resume" if t.resume else "train.resume_or_start"
+            raise ConfigError(f"{given}=True: needs train.checkpoint_dir (--checkpoint-dir)")
         return None, None
     ckpt = Checkpointer(t.checkpoint_dir, keep=t.keep_checkpoints, every=t.checkpoint_every)
     existing = ckpt.all_steps()

@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 
 from jaxpar import config as C
 from jaxpar import validation as V
-from jaxpar.checkpoint import Checkpointer
+from jaxpar.checkpoint import Checkpointer, verify_step
 from jaxpar.data import Batches, SequentialBatches
 from jaxpar.devices import make_mesh
 from jaxpar.errors import ConfigError
-from jaxpar.lock import RunLock
+from jaxpar.lock import Interrupted, RunLock
 from jaxpar.metrics import MetricsLog, Progress, device_memory
 from jaxpar.model.attention import implementation_for
 from jaxpar.profiling import StepProfiler
@@ -84,6 +86,7 @@ class RunParts:
     quiet: bool
     devices: list
     extra_hooks: list[Hook]  # the caller's, after jaxpar's own
+    ctx: LoopContext | None = None  # the loop's, once it starts (what an abort reports)
 
 
 def run(
@@ -115,10 +118,13 @@ def run(
         devices = _devices_for(cfg, devices)
         attention = implementation_for(cfg, devices[0])  # refuses e.g. cudnn on CPU, pre-compile
         trainer = Trainer(cfg, make_mesh(cfg.layout, devices))
-        with StopRequest(multi_process=jax.process_count() > 1) as stop:
+        with StopRequest(multi_process=jax.process_count() > 1, saves=ckpt is not None) as stop:
             parts = RunParts(cfg, trainer, batches, heldout, ckpt, resume_step, tb, profiler,
                              stop, quiet, devices, list(hooks))  # fmt: skip
-            out = _train(parts)
+            try:
+                out = _train(parts)
+            except Interrupted as e:  # a second signal (the first only asks to stop)
+                raise _aborted(e, parts) from None
         from jaxpar import hostmem
 
         # jaxpar.hostmem's answer on CPU, None elsewhere (as `jaxpar bench` reports it).
@@ -126,6 +132,46 @@ def run(
     finally:
         for lock in locks:
             lock.release()
+
+
+def _aborted(e: Interrupted, p: RunParts) -> Interrupted:
+    """The error of a signal that ended training at once (after the first asked it to stop
+    after a step): the step this run reached and the newest complete checkpoint on disk —
+    read after the hooks have closed, so a save that was in flight counts once sealed."""
+    name = signal.Signals(e.signum).name
+    first = p.stop.signal_name
+    what = f"a second {name}" if first == name else f"{name} after {first}" if first else name
+    ctx = p.ctx
+    ran = (
+        f"after step {ctx.done}"
+        if ctx is not None and ctx.done > ctx.start
+        else "before this run finished a step"
+    )
+    directory = p.cfg.train.checkpoint_dir
+    step = _newest_sealed(Path(directory)) if directory else None
+    if step is not None:
+        kept = (
+            f"the newest complete checkpoint is step {step} in {directory}; --resume continues "
+            "from it"
+        )
+    elif directory:
+        kept = f"no complete checkpoint is in {directory}"
+    else:
+        kept = "no checkpoint was saved (no --checkpoint-dir)"
+    return Interrupted(e.signum, f"stopped by {what} {ran}; {kept}")
+
+
+def _newest_sealed(directory: Path) -> int | None:
+    """The newest step of ``directory`` whose manifest vouches for its files (sizes)."""
+    try:
+        steps = [int(d.name) for d in directory.iterdir()
+                 if d.name.isascii() and d.name.isdigit() and d.is_dir()]  # fmt: skip
+    except OSError:
+        return None
+    for step in sorted(steps, reverse=True):
+        if verify_step(directory / str(step), full=False) is None:
+            return step
+    return None
 
 
 def _heldout(batches: Batches) -> SequentialBatches:
@@ -217,7 +263,10 @@ def _train(p: RunParts) -> dict[str, Any]:
     # A run that continues a directory (resume, or the directory's own metrics file) drops
     # the records an earlier attempt wrote after the step this run starts from.
     continues = t.resume or t.resume_or_start or not t.metrics_file
-    log = MetricsLog(_metrics_path(cfg), keep_until=start if continues else None)
+    from jaxpar.outputs import metrics_field
+
+    log = MetricsLog(_metrics_path(cfg), keep_until=start if continues else None,
+                     what=metrics_field(cfg))  # fmt: skip
     memory = device_memory(p.trainer)
     log.write({"event": "start", "step": start, "layout": dataclasses.asdict(cfg.layout),
                "params": cfg.model.param_count(), "compile_s": compile_s, "memory": memory,
@@ -225,6 +274,7 @@ def _train(p: RunParts) -> dict[str, Any]:
     sinks = Sinks(log, Progress(t.steps, start, enabled=show), p.tensorboard)
     ctx = LoopContext(cfg, p.trainer, p.batches, state, start, sinks,
                       checkpointed=start if p.checkpointer is not None else None)  # fmt: skip
+    p.ctx = ctx
     hooks = _hooks(p, div)
     try:
         train_loop(ctx, hooks)

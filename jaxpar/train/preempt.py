@@ -14,12 +14,18 @@ import sys
 import threading
 from typing import Any
 
+_UNSAVED = "no --checkpoint-dir: nothing is saved"
+
 
 class StopRequest:
     """Context manager: SIGTERM/SIGINT become a request the loop honours between steps.
 
     One process: the first signal sets :attr:`signal_name` and restores the previous handlers,
-    so a second Ctrl-C raises ``KeyboardInterrupt`` and a second SIGTERM terminates as usual.
+    so a second signal is handled as before the run: under ``jaxpar train`` it ends the run at
+    once (:class:`jaxpar.lock.Interrupted`, whose line names the step reached and the newest
+    complete checkpoint); elsewhere a second Ctrl-C raises ``KeyboardInterrupt`` and a second
+    SIGTERM terminates as usual. ``saves``: whether the run writes checkpoints (what the first
+    signal's line promises).
 
     Several processes (``multi_process=True``): one process stopping alone would leave the
     others blocked in the step's collectives, so the stop must be agreed. JAX's preemption
@@ -35,9 +41,10 @@ class StopRequest:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, enabled: bool = True, multi_process: bool = False) -> None:
+    def __init__(self, enabled: bool = True, multi_process: bool = False, saves: bool = True):
         self.enabled = enabled
         self.multi_process = multi_process
+        self.saves = saves
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
 
@@ -48,12 +55,13 @@ class StopRequest:
         print(f"jaxpar: {self.signal_name} received; {what_next}", file=sys.stderr, flush=True)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self._received(signum, "finishing the current step, then checkpointing and exiting "
-                       "(send it again to abort now)")  # fmt: skip
+        then = "checkpointing and exiting" if self.saves else f"exiting ({_UNSAVED})"
+        self._received(signum, f"finishing the current step, then {then} (send it again to "
+                       "abort now)")  # fmt: skip
 
     def _forward(self, signum: int, frame: Any) -> None:
-        self._received(signum, "all processes will stop at an agreed step, checkpoint it and "
-                       "exit")  # fmt: skip
+        then = "checkpoint it and exit" if self.saves else f"exit ({_UNSAVED})"
+        self._received(signum, f"all processes will stop at an agreed step, {then}")
         os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption service
 
     def _restore(self) -> None:
