@@ -35,7 +35,13 @@ ROWS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                              "-o", "model.n_layers=2")),
     "8b-tp8-sp-2l": ("llama3-8b", "h100-8", (*B8, "--dp", "1", "--tp", "8",
                                               "--sequence-parallel", "-o", "model.n_layers=2")),
-    # the 70B pick at two layers: dp 32 x tp 2 + SP, ZeRO-3, across 8 nodes
+    # two nodes: the dp groups cross the network, which XLA's SoL estimator models
+    "8b-zero3-2nodes-2l": ("llama3-8b", "h100-8", ("--devices", "16", "--global-batch", "16",
+                                                    "--seq-len", "4096", "--dp", "16", "--tp",
+                                                    "1", "--zero", "3", "-o",
+                                                    "model.n_layers=2")),
+    # the 70B pick at two layers, dp 32 x tp 2 + SP, ZeRO-3, across 8 nodes (an A100
+    # target: XLA does not use the SoL estimator there; its cycles are not µs)
     "70b-planner-2l": ("llama2-70b", "a100-64", ("--dp", "32", "--tp", "2",
                                                  "--sequence-parallel", "--pp", "1", "--zero",
                                                  "3", "--remat", "selective", "--microbatches",

@@ -20,7 +20,7 @@ from jaxpar import config as C
 from jaxpar.gpu import timing as TM
 from jaxpar.gpu.timing import simulate
 from jaxpar.planner.collectives import call_time
-from jaxpar.planner.hardware import matmul_efficiency
+from jaxpar.planner.hardware import GENERATIONS, matmul_efficiency
 
 HW = C.load_mesh("h100-8").hardware
 MESH = types.SimpleNamespace(devices=np.arange(8), axis_names=("dp",))
@@ -44,9 +44,11 @@ def _dot_comp(n: int) -> str:
 
 
 def _t_dot(n: int) -> float:
-    """By hand: 2n³ FLOPs at the curve's efficiency for size n (3·2n² bytes move faster)."""
+    """By hand: 2n³ FLOPs at the published H100 SXM ceiling (794.5 of 989 TFLOP/s) or, for a
+    small n, at the bytes' pace: n/3 FLOPs per byte at HBM bandwidth (3·2n² bytes)."""
     flops = 2.0 * n**3
-    return max(flops / (HW.peak_flops_bf16 * matmul_efficiency(HW, n)), 6.0 * n * n / HW.hbm_bw)
+    share = min(794.5 / 989, n / 3 * HW.hbm_bw / HW.peak_flops_bf16)
+    return max(flops / (HW.peak_flops_bf16 * share), 6.0 * n * n / HW.hbm_bw)
 
 
 def _t_gather(rows: int, hw=HW, stride: int = 1) -> float:
@@ -175,7 +177,7 @@ def test_pipelined_collective_window_wraps_around_the_loop(n, rows, monkeypatch)
     t_dot, t_comm = _t_dot(n), _t_gather(rows)
     want = trips * max(0.0, t_comm - t_dot) + t_comm
     assert st.exposed_s["dp"] == pytest.approx(want, rel=1e-6)
-    assert st.compute_s == pytest.approx(trips * t_dot, rel=1e-6)  # the adds are ~1e-11 s
+    assert st.compute_s == pytest.approx(trips * t_dot, rel=1e-6, abs=1e-10)  # adds ~4e-12 s
     assert st.step_s == pytest.approx(st.compute_s + st.exposed_s["total"], rel=1e-12)
     assert st.comm_s["dp"] == pytest.approx((trips + 1) * t_comm, rel=1e-9)
     assert sum(e.kind == "all-gather" for e in st.events) == trips + 1
@@ -295,10 +297,10 @@ def test_compile_estimate_and_trace(tmp_path):
     """dp 2 × tp 2 × pp 2 on an 8-GPU H100 target: the estimate's keys, its identities, and a
     Chrome trace with events on the compute and a communication track."""
     _plugin_or_fail()
-    trace = tmp_path / "step.json"
+    trace, png = tmp_path / "step.json", tmp_path / "step.png"
     out = _report(_compile(tmp_path, "--mesh", "h100-8", "--pp", "2", "--dp", "2", "--tp", "2",
                            "--zero", "1", "--microbatches", "4", "--trace", str(trace),
-                           "--json"))  # fmt: skip
+                           "--timeline", str(png), "--json"))  # fmt: skip
     est = out["estimate"]
     for key in ("step_s", "compute_s", "exposed_s", "tflops_per_device", "mfu",
                 "planner_step_s", "step_ratio"):  # fmt: skip
@@ -317,3 +319,63 @@ def test_compile_estimate_and_trace(tmp_path):
     assert tids["compute"] in used and (tids["collective"] in used or tids["p2p"] in used)
     assert any(e["args"].get("phase") == "backward" for e in xs)
     assert out["trace"] == {"file": str(trace), "events": len(xs)}
+    waits = sum(e["args"]["kind"] == "wait" for e in xs)
+    assert out["timeline"] == {"file": str(png), "intervals": len(xs) + waits}
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("mesh,ceiling", [("a100-8", 271.2 / 312), ("h100-8", 794.5 / 989),
+                                          ("h200-8", 794.5 / 989)])  # fmt: skip
+def test_matmul_ceiling_is_the_published_measurement(mesh, ceiling):
+    """Large matmuls run at the measured ceiling (not the planner's fitted one), small ones at
+    their bytes' pace; attention at flash attention's published share; a GPU without a
+    measurement keeps the mesh file's curve."""
+    from jaxpar.gpu.costs import attention_share, matmul_share
+
+    hw = C.load_mesh(mesh).hardware
+    assert matmul_share(hw, 16384) == pytest.approx(ceiling)
+    fitted = {g.name: g.matmul_share_max for g in GENERATIONS}[mesh[:4].replace("h200", "h100")]
+    assert matmul_share(hw, 16384) != pytest.approx(fitted, abs=0.01)
+    assert matmul_share(hw, 64) == pytest.approx(64 / 3 * hw.hbm_bw / hw.peak_flops_bf16)
+    assert attention_share(hw, 8192) == pytest.approx(0.73 if mesh == "a100-8" else 0.75)
+    other = dataclasses.replace(hw, gpu="mi300x")
+    assert matmul_share(other, 4096) == matmul_efficiency(other, 4096)
+
+
+# ------------------------------------------------------------------------------------------------
+# jaxpar compile --timeline
+
+
+def test_timeline_marks_the_exposed_wait(tmp_path):
+    """The Gantt chart of a step whose all-gather outlasts its dot: a PNG, every simulated
+    interval drawn, the exposed row exactly the compute stream's wait."""
+    from jaxpar.gpu.timeline import draw_timeline, spans
+
+    st = simulate(_module(1024, 4096, ASYNC), MESH, HW)
+    assert st.exposed_s["dp"] > 0
+    rows = spans(st)
+    waits = rows["exposed"]["wait"]
+    assert len(waits) == 1
+    assert waits[0][1] == pytest.approx(st.exposed_s["dp"] * 1e3)
+    assert rows["compute"]["wait"] == waits and "all-gather" not in rows["compute"]
+    assert [k for k in rows["collective"]] == ["collective"]
+    path = tmp_path / "step.png"
+    drawn = draw_timeline(path, st, "t")
+    assert drawn == len(st.events) + 1  # the wait twice: on the compute row and its own
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name,why", [
+    ("exists.png", "file exists"),
+    ("nodir/step.png", "directory .* does not exist"),
+    ("step.json", "must end in .png"),
+])  # fmt: skip
+def test_bad_timeline_path_refused_before_compiling(tmp_path, name, why):
+    _plugin_or_fail()
+    (tmp_path / "exists.png").write_bytes(b"")
+    proc = _compile(tmp_path, "--mesh", "h100-8", "--timeline", str(tmp_path / name),
+                    check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--timeline" in lines[0], lines
+    assert __import__("re").search(why, lines[0]), lines[0]

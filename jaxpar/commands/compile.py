@@ -15,7 +15,8 @@ same file, none beside ``--load``. Without the jax CUDA plugin the command says 
 ``--trace FILE.json`` writes the step as :mod:`jaxpar.gpu.timing` simulates it on the target, in
 the Chrome/Perfetto trace format (a compute track and one per communication stream); a path
 that is not ``.json``, whose directory is missing or unwritable, or that exists (without
-``--force``) is refused before compiling.
+``--force``) is refused before compiling. ``--timeline FILE.png`` draws the same step as a Gantt
+chart (:mod:`jaxpar.gpu.timeline`, exposed communication marked), its path checked alike.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ STEP_FLAGS = ("global_batch", "seq_len", "devices", "dp", "tp", "pp", "sp", "zer
 # The files the command writes (flag dests), no two the same file and none beside --load
 # (check_outputs, before compiling); --save and --hlo are new files (_checks.new_file, when
 # parsing), --trace is checked by jaxpar.gpu.trace.check_trace_path.
-OUTPUTS = ("save", "hlo", "trace")
+OUTPUTS = ("save", "hlo", "trace", "timeline")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--trace", default=None, metavar="FILE.json",
                    help="write the simulated step as a Chrome trace (Perfetto)")  # fmt: skip
-    p.add_argument("--force", action="store_true", help="let --trace replace an existing file")
+    p.add_argument("--timeline", default=None, metavar="FILE.png",
+                   help="draw the simulated step as a Gantt chart (PNG)")  # fmt: skip
+    p.add_argument("--force", action="store_true",
+                   help="let --trace/--timeline replace an existing file")  # fmt: skip
 
 
 def build_config(args: argparse.Namespace):
@@ -151,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
         from jaxpar.gpu.timing import check_trace_path
 
         check_trace_path(args.trace, args.force)
+    if getattr(args, "timeline", None) is not None:
+        from jaxpar.gpu.timeline import check_timeline_path
+
+        check_timeline_path(args.timeline, args.force)
     cfg = build_config(args)
     from jaxpar.gpu.report import check_estimate
 
@@ -167,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     run_flags = run_xla_flags(cfg.mesh.hardware, cfg.layout)
     flags = apply_flags(run_flags, plug.module)
     compiled = compile_step(cfg, target, flags)
-    out = report(cfg, compiled, trace=args.trace)
+    out = report(cfg, compiled, trace=args.trace, timeline=getattr(args, "timeline", None))
     # the mesh file's flags this layout runs without (as `jaxpar train` starts it)
     out["xla_flags"]["withheld"] = [f for f in cfg.mesh.hardware.xla_flags if f not in run_flags]
     if args.auto_layout is not None:

@@ -5,14 +5,13 @@ streams. Every figure comes from the mesh file's hardware (``peak_flops_bf16``,
 ``matmul_efficiency``, ``hbm_bw``, the links and NICs) and the planner's collective model:
 
 * **matmuls** (``dot``, ``convolution``, XLA's gemm fusions, cuBLAS custom calls): their FLOPs
-  at ``peak × matmul_efficiency(size)``, ``size`` the side of the square matmul with the same
-  FLOPs per byte (:func:`jaxpar.planner.cost.matmul_size`, here from the element counts of
-  lhs, rhs and output: ``1.5·FLOPs / (L + R + E)``), or the fusion's bytes at HBM bandwidth if
-  that is longer (a roofline);
+  at ``peak × matmul_share(size)`` (:func:`matmul_share`), ``size`` the side of the square
+  matmul with the same FLOPs per byte (:func:`jaxpar.planner.cost.matmul_size`, here from the
+  element counts of lhs, rhs and output: ``1.5·FLOPs / (L + R + E)``), or the fusion's bytes
+  at HBM bandwidth if that is longer (a roofline);
 * **cuDNN attention** (``__cudnn$fmha*``): ``4·B·H·Sq·Skv·D`` FLOPs forward, half of it under a
   causal mask (flash kernels skip the masked blocks), 2.5× that backward (FlashAttention-2,
-  Dao 2023, §3.1: five matmuls against two), at the efficiency the planner's blockwise
-  attention term uses (``matmul_efficiency(Skv)``);
+  Dao 2023, §3.1: five matmuls against two), at :func:`attention_share` of peak;
 * **everything else** (loop/input fusions, copies, slices, reductions): the bytes it reads and
   writes at ``hbm_bw`` (the peak: no fitted share). A fusion reading a buffer only through
   ``dynamic-slice``/``slice``/``gather`` reads the slice; one updating a buffer in place
@@ -23,10 +22,23 @@ streams. Every figure comes from the mesh file's hardware (``peak_flops_bf16``,
   (from the replica groups and each partition's node); a ``collective-permute`` is a
   point-to-point send of its operand, across nodes when any of its pairs is.
 
-No kernel launch overhead is added (the mesh files run XLA with command buffers). The matmul
-curve is the mesh file's: on the GPU meshes its ceiling was fitted by the planner on published
-runs (:data:`jaxpar.planner.hardware.GENERATIONS`), not measured per kernel — the one constant
-here not taken from a measurement.
+No kernel launch overhead is added (the mesh files run XLA with command buffers).
+
+**Kernel efficiency: published measurements, not fits** (:data:`MEASURED`). The planner's
+matmul curve in the mesh files has a ceiling fitted on published training runs
+(:data:`jaxpar.planner.hardware.GENERATIONS`); the time model, judged on such runs, does not use
+it. A matmul of size ``g`` runs at ``min(ceiling, (g/3)·hbm_bw / peak)`` of peak — the
+roofline: a g×g×g bf16 matmul does g/3 FLOPs per byte it moves — with ``ceiling`` the largest
+bf16 matmul throughput measured on the GPU, from S. Bekman's *Machine Learning Engineering*,
+"Maximum Achievable Matmul FLOPS comparison table" (BF16, v2; ``torch.matmul`` over a sweep of
+shapes, mean of 100 iterations after 50 warm-up; stas00/ml-engineering@b9e29720
+compute/accelerator/README.md): A100 SXM 271.2 of 312 TFLOP/s (86.9%), H100 SXM 794.5 of 989
+(80.3%); the H200 (the H100's SM at the same 700 W) takes the H100 SXM figure. Attention kernels
+run at the published ceiling of flash attention: FlashAttention-2 (Dao 2023, abstract: "50-73%
+of the theoretical maximum FLOPs/s on A100") 0.73 on A100, FlashAttention-3 (Shah et al. 2024,
+abstract: "FP16 reaching up to 740 TFLOPs/s (75% utilization)") 0.75 on Hopper, each under the
+same roofline in ``Skv``. A GPU without a measurement here (and the CPU meshes) keeps the mesh
+file's curve (``jaxpar bench --calibrate`` measures it on the machine).
 """
 
 from __future__ import annotations
@@ -51,6 +63,64 @@ _DIMS = re.compile(r"\b[a-z]+[0-9a-z]*\[([\d,]*)\]")
 ATTENTION = "__cudnn$fmha"
 # The planner's kinds for XLA's (collective-permute is one point-to-point send per device).
 PLANNER_KIND = {"ragged-all-to-all": "all-to-all", "collective-permute": "send"}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A GPU's published kernel ceilings (module docstring)."""
+
+    gpu: str  # how a mesh file's ``hardware.gpu`` starts
+    peak_flops_bf16: float  # the dense bf16 peak the measurement is a share of
+    matmul_flops: float  # the largest bf16 matmul throughput measured
+    attention_share: float  # flash attention's published share of peak
+    source: str
+
+
+MAMF = (
+    "Bekman, Machine Learning Engineering, 'Maximum Achievable Matmul FLOPS comparison table' "
+    "(BF16 v2), stas00/ml-engineering@b9e29720 compute/accelerator/README.md"
+)
+MEASURED = (
+    Measured("a100", 312e12, 271.2e12, 0.73, MAMF + " (A100 SXM); FlashAttention-2 abstract"),
+    Measured("h100", 989e12, 794.5e12, 0.75, MAMF + " (H100 SXM); FlashAttention-3 abstract"),
+    Measured("h200", 989e12, 794.5e12, 0.75, MAMF + " (H100 SXM: same SM and power)"),
+)
+
+
+def measured(hw: HardwareConfig) -> Measured | None:
+    """The published ceilings of ``hw``'s GPU (by ``hardware.gpu``, else by a peak within 5%
+    of one measured), or None."""
+    name = str(getattr(hw, "gpu", "") or "").lower()
+    for m in MEASURED:
+        if name.startswith(m.gpu):
+            return m
+    if hw.platform != "gpu" or name:
+        return None
+    return next((m for m in MEASURED if abs(hw.peak_flops_bf16 / m.peak_flops_bf16 - 1) < 0.05),
+                None)  # fmt: skip
+
+
+def _roofline(hw: HardwareConfig, size: float) -> float:
+    """Share of peak a size-``size`` bf16 matmul's bytes allow: (size/3)·hbm_bw / peak."""
+    return max(size, 1.0) / 3.0 * hw.hbm_bw / hw.peak_flops_bf16
+
+
+def matmul_share(hw: HardwareConfig, size: float) -> float:
+    """Share of ``peak_flops_bf16`` a matmul of ``size`` (:func:`jaxpar.planner.cost.
+    matmul_size`) sustains: the measured ceiling under the roofline (module docstring); the
+    mesh file's curve for a GPU without a measurement."""
+    m = measured(hw)
+    if m is None:
+        return matmul_efficiency(hw, size)
+    return min(m.matmul_flops / hw.peak_flops_bf16, _roofline(hw, size))
+
+
+def attention_share(hw: HardwareConfig, skv: float) -> float:
+    """Share of peak a flash-attention kernel over ``skv`` keys sustains (module docstring)."""
+    m = measured(hw)
+    if m is None:
+        return matmul_efficiency(hw, skv)
+    return min(m.attention_share * m.peak_flops_bf16 / hw.peak_flops_bf16, _roofline(hw, skv))
 
 
 @dataclass(frozen=True)
@@ -119,7 +189,7 @@ class Coster:
 
     def _matmul_seconds(self, flops: float, elems: float) -> float:
         size = 1.5 * flops / elems if elems else 1.0
-        return flops / (self.hw.peak_flops_bf16 * matmul_efficiency(self.hw, size))
+        return flops / (self.hw.peak_flops_bf16 * matmul_share(self.hw, size))
 
     def _dots(self, comp: str, seen: tuple[str, ...] = ()) -> tuple[float, float]:
         """(FLOPs, seconds) of the dots and convolutions of ``comp`` and what it calls."""
@@ -177,7 +247,7 @@ class Coster:
         target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
         if target and "Backward" in target.group(1):
             flops *= 2.5
-        return flops, flops / (self.hw.peak_flops_bf16 * matmul_efficiency(self.hw, skv))
+        return flops, flops / (self.hw.peak_flops_bf16 * attention_share(self.hw, skv))
 
     def _bytes(self, ins: Instr, table: dict[str, Instr]) -> float:
         """Bytes ``ins`` reads and writes in device memory."""

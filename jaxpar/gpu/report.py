@@ -134,9 +134,12 @@ def estimate(cfg: RunConfig, c: Compiled, text: str | None = None) -> tuple[dict
     return out, st
 
 
-def report(cfg: RunConfig, c: Compiled, trace: str | None = None) -> dict[str, Any]:
+def report(cfg: RunConfig, c: Compiled, trace: str | None = None,
+           timeline: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole report (module docstring); ``trace``: write the simulated step there as a
-    Chrome trace (:func:`jaxpar.gpu.timing.write_trace`), recorded as ``trace``."""
+    Chrome trace (:func:`jaxpar.gpu.timing.write_trace`), recorded as ``trace``; ``timeline``:
+    draw it there as a PNG Gantt chart (:func:`jaxpar.gpu.timeline.draw_timeline`), recorded
+    as ``timeline``."""
     text = c.compiled.as_text()
     calls = custom_calls(text)
     axes, overlap = collectives(cfg, c)
@@ -168,6 +171,11 @@ def report(cfg: RunConfig, c: Compiled, trace: str | None = None) -> dict[str, A
 
         name = f"{cfg.model.name} on {cfg.mesh.name}"
         out["trace"] = {"file": trace, "events": write_trace(trace, step, name)}
+    if timeline is not None:
+        from jaxpar.gpu.timeline import draw_timeline
+
+        name = f"{cfg.model.name} on {cfg.mesh.name}"
+        out["timeline"] = {"file": timeline, "intervals": draw_timeline(timeline, step, name)}
     return out
 
 
