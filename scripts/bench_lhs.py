@@ -8,6 +8,9 @@ computation the scheduler reports after scheduling: its total and wasted µs (pe
 kind), and jaxpar's walk of the same computation (:func:`jaxpar.gpu.lhs.computation_times`):
 step, compute and exposed µs without the ``while`` loops it runs (XLA costs a ``while`` as
 nothing), the time in those loops, and the cuDNN attention time (XLA costs it as nothing).
+Per instruction class (``instructions``, :func:`jaxpar.gpu.lhs.instruction_costs`): what XLA's
+estimator gave the matmuls (its interpolator over measured GEMMs), the fusions (its performance
+model) and the collectives, beside jaxpar's cost of the same instructions.
 Reduced depths (``-o model.n_layers=N``) keep each compile under a minute or two on two cores.
 
     python scripts/bench_lhs.py [--rows 8b-zero3-2l] > lhs.json
@@ -55,7 +58,7 @@ def row(name: str, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         hlo = Path(tmp) / "step.hlo"
         cmd = ["compile", "--model", model, "--mesh", mesh, *flags, "--json", "--hlo", str(hlo)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), **lhs.LOG_ENV,
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **lhs.COST_ENV,
                    XLA_FLAGS=" ".join(lhs.sol_flags(hw)))  # fmt: skip
         base = {"row": name, "command": "jaxpar " + " ".join(cmd[:-2]),
                 "sol_options": lhs.sol_options(hw)}  # fmt: skip
@@ -94,9 +97,12 @@ def row(name: str, timeout: int) -> dict:
             }),
         })  # fmt: skip
     est = rep["estimate"]
+    costs = lhs.instruction_costs(text, lhs.mesh_of(rep["layout"]), hw,
+                                  lhs.parse_costs(proc.stderr))  # fmt: skip
     return {
         **base,
         "computations": comps,
+        "instructions": costs,
         "jaxpar_estimate": {k: est[k] for k in ("step_s", "compute_s", "exposed_s")},
     }
 

@@ -379,3 +379,68 @@ def test_bad_timeline_path_refused_before_compiling(tmp_path, name, why):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--timeline" in lines[0], lines
     assert __import__("re").search(why, lines[0]), lines[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# XLA's latency-hiding-scheduler statistics beside the model (jaxpar.gpu.lhs)
+
+_P = "I1206 11:36:45.048147    5137 "
+LHS_LOG = "\n".join(_P + line for line in [
+    "latency_hiding_scheduler.cc:4268] [latency-hiding-scheduler] Statistics before scheduling:",
+    "latency_hiding_scheduler.cc:4271] For computation: main.1, module jit_f",
+    "latency_hiding_scheduler.cc:4271] Total wasted cycles: 10",
+    "latency_hiding_scheduler.cc:4271] Total cycles: 20",
+    "latency_hiding_scheduler.cc:4337] [latency-hiding-scheduler] Statistics after scheduling:",
+    "latency_hiding_scheduler.cc:4341] For computation: main.1, module jit_f",
+    "latency_hiding_scheduler.cc:4341] Total wasted cycles: 4",
+    "latency_hiding_scheduler.cc:4341] Wasted cycles for all-reduce: 0",
+    "latency_hiding_scheduler.cc:4341] Wasted cycles for all-gather: 4",
+    "latency_hiding_scheduler.cc:4341] Total cycles: 15.5",
+    "latency_hiding_scheduler.cc:4341] Memory pressure peak (bytes): 123",
+    "latency_hiding_scheduler.cc:4341] For computation: body.2, module jit_f",
+    "latency_hiding_scheduler.cc:4341] Total wasted cycles: 0",
+    "latency_hiding_scheduler.cc:4341] Total cycles: 7",
+    "sol_latency_estimator.cc:488] NodeCost: Matmul cost from matmul_interpolator for dot: 12.5 us",
+    "sol_latency_estimator.cc:467] GetLatencyBetween: Computed collective time for ags: 40 us",
+    "sol_latency_estimator.cc:467] GetLatencyBetween: Computed collective time for ags: 41 us",
+])  # fmt: skip
+
+
+def test_lhs_statistics_and_costs_beside_the_model():
+    """The scheduler's blocks are read per computation and phase; the estimator's per
+    instruction costs (first figure kept) are set beside jaxpar's cost of the same
+    instructions of a hand-written module; the estimator's options come from the mesh."""
+    from jaxpar.gpu import lhs
+
+    stats = lhs.parse_stats(LHS_LOG)
+    assert [(s.computation, s.phase) for s in stats] == [
+        ("main.1", "before"), ("main.1", "after"), ("body.2", "after")]  # fmt: skip
+    main = stats[1]
+    assert (main.total, main.wasted, main.memory_peak) == (15.5, 4.0, 123)
+    assert main.wasted_by_kind == {"all-gather": 4.0} and stats[2].total == 7.0
+    xla = lhs.parse_costs(LHS_LOG)
+    assert xla == {"matmul": {"dot": 12.5}, "fusion": {}, "collective": {"ags": 40.0}}
+    got = lhs.instruction_costs(_module(1024, 128, ASYNC), MESH, HW, xla)
+    assert got["matmul"]["count"] == 1 and got["collective"]["count"] == 1
+    assert got["matmul"]["jaxpar_us"] == pytest.approx(_t_dot(1024) * 1e6)
+    assert got["collective"]["jaxpar_us"] == pytest.approx(_t_gather(128) * 1e6)
+    assert got["collective"]["ratio_xla_over_jaxpar"] == pytest.approx(40 / (_t_gather(128) * 1e6))
+    flags = " ".join(lhs.sol_flags(HW))
+    assert "nic_speed_gbps=50," in flags and "gpus_per_node=8," in flags
+
+
+def test_lhs_computations_walked_once_loops_apart():
+    """A loop body is walked once (its handle from the previous iteration unknown: no wait);
+    the entry's figures without its loop are what is left outside it: here the done after the
+    loop, which waits the whole last all-gather."""
+    from jaxpar.gpu import lhs
+
+    text = _loop_module(1024, 128, 10)
+    got = lhs.computation_times(text, MESH, HW, ["body", "main", "absent"])
+    assert set(got) == {"body", "main"}
+    body, main = got["body"], got["main"]
+    assert body["step_s"] == pytest.approx(_t_dot(1024), rel=1e-6, abs=1e-10)
+    assert body["exposed_s"] == 0.0 and body["loops_s"] == 0.0
+    assert main["loops_s"] == pytest.approx(simulate(text, MESH, HW).step_s - _t_gather(128))
+    assert main["flat_exposed_s"] == pytest.approx(_t_gather(128), rel=1e-9)
+    assert main["flat_compute_s"] == pytest.approx(0.0, abs=1e-10)

@@ -159,6 +159,59 @@ class _Nested(_Sim):
             self.attention_s += self.compute_s - before
 
 
+_COSTS = {
+    "matmul": re.compile(r"Matmul cost from matmul_interpolator for (\S+): ([\d.eE+-]+) us"),
+    "fusion": re.compile(r"Fusion cost from gpu_performance_model for (\S+): ([\d.eE+-]+) us"),
+    "collective": re.compile(r"Computed collective time for (\S+): ([\d.eE+-]+) us"),
+}
+COST_ENV = {**LOG_ENV, "TF_CPP_VMODULE": "latency_hiding_scheduler=1,sol_latency_estimator=10"}
+
+
+def parse_costs(log: str) -> dict[str, dict[str, float]]:
+    """What XLA's analytical estimator gave each instruction, in µs, by class: ``matmul``
+    (its matmul interpolator, a table of bf16 GEMMs measured per GPU), ``fusion`` (its GPU
+    performance model) and ``collective`` (``ComputeCollectiveTime`` of a start). Needs
+    ``TF_CPP_VMODULE=sol_latency_estimator=10`` (:data:`COST_ENV`); the first figure of each
+    instruction is kept."""
+    out: dict[str, dict[str, float]] = {k: {} for k in _COSTS}
+    for kind, pat in _COSTS.items():
+        for name, us in pat.findall(log):
+            out[kind].setdefault(name, float(us))
+    return out
+
+
+def instruction_costs(text: str, mesh: Any, hw: HardwareConfig, xla: dict[str, dict[str, float]],
+                      nodes: list[int] | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """jaxpar's cost of every instruction XLA costed (:func:`parse_costs`), by class: the
+    count, both totals in µs, their ratio (XLA / jaxpar) and the median per-instruction ratio.
+    A fusion XLA's performance model costs may hold a matmul jaxpar costs as one: the classes
+    are XLA's."""
+    comps, entry = parse_module(text)
+    where = {i.name: (c, i) for c, body in comps.items() for i in body}
+    sim = _Sim(comps, entry, hw, mesh, nodes)
+    sim.colls = {(c.computation, c.name): c for c in collective_bytes(text, mesh).collectives}
+    out: dict[str, dict[str, Any]] = {}
+    for kind, costs in xla.items():
+        pairs = []
+        for name, us in costs.items():
+            if name not in where:
+                continue
+            comp, ins = where[name]
+            if kind == "collective":
+                got = sim._transfer(comp, ins)
+                mine = got[1].seconds if got else None
+            else:
+                mine = sim.coster.kernel(comp, ins).seconds
+            if mine is not None:
+                pairs.append((us, mine * 1e6))
+        ratios = sorted(x / j for x, j in pairs if j > 0)
+        xs, js = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+        out[kind] = {"count": len(pairs), "xla_us": xs, "jaxpar_us": js,
+                     "ratio_xla_over_jaxpar": xs / js if js else None,
+                     "median_ratio": ratios[len(ratios) // 2] if ratios else None}  # fmt: skip
+    return out
+
+
 def mesh_of(layout: dict) -> Any:
     """A stand-in for jaxpar's device mesh of ``layout`` (the JSON ``layout`` of ``jaxpar
     compile``): its shape and axis names in partition order (:func:`jaxpar.devices.make_mesh`)."""
