@@ -164,6 +164,47 @@ def test_sequence_layouts_move_what_the_planner_counts(tmp_path, layout, axis, h
     assert 0.95 < got["ratio"] < high, got
 
 
+def test_sequence_parallel_compiles_to_collective_matmul(tmp_path):
+    """tp 8 + Megatron-SP on an 8-GPU target (8 layers of width 512): the all-gathers into the
+    column-parallel matmuls and the reduce-scatters out of the row-parallel ones are rings of
+    collective-permutes over tp (jaxpar.model.collective_matmul), 4 rings a layer forward and
+    6 backward of tp - 1 sends each (two of which XLA may combine), every one asynchronous and
+    nearly all with a matmul scheduled between its start and done; the only activation
+    all-gathers over tp left are the head's."""
+    _plugin_or_fail()
+    import jax
+
+    from jaxpar.analysis.hlo_gpu import async_collectives
+    from jaxpar.devices import make_mesh
+
+    model = tmp_path / "mid.yaml"
+    text = MODEL_YAML
+    for old, new in (("n_layers: 4", "n_layers: 8"), ("d_model: 64", "d_model: 512"),
+                     ("n_heads: 4", "n_heads: 8"), ("d_ff: 128", "d_ff: 1024"),
+                     ("max_seq_len: 64", "max_seq_len: 512")):  # fmt: skip
+        text = text.replace(old, new)
+    model.write_text(text)
+    hlo = tmp_path / "step.hlo"
+    out = _report(_compile(tmp_path, "--model", str(model), "--mesh", "h100-8", "--seq-len",
+                           "512", "--pp", "1", "--dp", "1", "--tp", "8", "--sequence-parallel",
+                           "--hlo", str(hlo), "--json"))  # fmt: skip
+    lay = dataclasses.replace(C.load_mesh("h100-8").layout, dp=1, tp=8, pp=1, sp=1)
+    items = async_collectives(hlo.read_text(), make_mesh(lay, jax.devices()[:8]))
+    ring = [it for it in items if it.kind == "collective-permute" and it.axes == ("tp",)]
+    # 10 rings a layer, of 7 sends; XLA may combine the two sends of a column-parallel
+    # backward step (same source and target) into one
+    assert 8 * 8 * 7 <= sum(it.count for it in ring) <= 8 * 10 * 7
+    assert all(it.asynchronous and not it.sync for it in ring)
+    ring_bytes = sum(it.wire_bytes for it in ring)
+    beside_matmul = sum(it.wire_bytes for it in ring if it.flops_between > 0)
+    assert beside_matmul > 0.8 * ring_bytes, (beside_matmul, ring_bytes)
+    gathers = [it for it in items if it.kind == "all-gather" and it.axes == ("tp",)]
+    assert gathers and all(it.count < 8 for it in gathers)  # none per layer: the head's
+    tp = out["collectives"]["tp"]
+    assert tp["by_kind"]["collective-permute"]["wire_bytes"] > 0.7 * tp["wire_bytes"]
+    assert 0.95 < tp["ratio"] < 1.12, tp  # the same bytes as the gathers and scatters
+
+
 def test_pipelined_all_gather_only_under_zero3():
     """The mesh files' pipelined all-gather serves ZeRO-3's weight gathers; other layouts start
     XLA without it (jaxpar.distributed.run_xla_flags)."""

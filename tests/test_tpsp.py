@@ -87,14 +87,18 @@ def _check_collectives(name: str, got: dict) -> None:
         assert wire == pytest.approx(expected["tp_wire_bytes"], rel=0.1), layer.to_dict()
         big = tpsp.per_layer(got["report"], cfg.model.n_layers, min_bytes=act)
         if lay.sequence_parallel:
-            # 2 all-gathers into the column-parallel matmuls per pass, 2 reduce-scatters out of
-            # the row-parallel ones (CPU: all-reduce of the full buffer + local slice); the
-            # backward gathers the two inputs again for the weight gradients (the sequence
-            # shard is kept for the backward, not the gathered copy).
-            assert big.get("all-gather", ("tp",), "fwd") == (2, 2 * act)
-            assert big.get("all-gather", ("tp",), "bwd") == (4, 4 * act)
-            for phase in ("fwd", "bwd"):
-                assert big.get("all-reduce", ("tp",), phase) == (2, 2 * act)
+            # Collective matmul (jaxpar.model.collective_matmul): the all-gathers into the 2
+            # column-parallel matmuls and the reduce-scatters out of the 2 row-parallel ones
+            # are rings of t - 1 sends of one sequence chunk (act / t) each. Forward: 4 rings;
+            # backward: the column-parallel ones pass x again (for dW, the sequence shard is
+            # kept, not the gathered copy) beside their dx reduce-scatter, the row-parallel
+            # ones pass dy: 6 rings. No activation all-gather or all-reduce over tp is left.
+            t, chunk = lay.tp, act / lay.tp
+            for phase, rings in (("fwd", 4), ("bwd", 6)):
+                sends = rings * (t - 1)
+                assert layer.get("collective-permute", ("tp",), phase) == (sends, sends * chunk)
+            small = tpsp.per_layer(got["report"], cfg.model.n_layers, min_bytes=chunk)
+            assert small.get("all-gather", ("tp",)) == small.get("all-reduce", ("tp",)) == (0, 0.0)
         else:
             for phase in ("fwd", "bwd"):
                 assert big.get("all-reduce", ("tp",), phase) == (2, 2 * act), layer.to_dict()

@@ -13,8 +13,8 @@ Definitions (``size`` is per device, per execution, from the HLO shapes; ``n`` t
 * ragged-all-to-all: ``bytes`` = the send buffer's size (operand 0; the offsets, sizes and
   the output buffer it updates are not traffic), the most it can move — what it does move is
   decided at run time; ``wire_bytes`` = (n−1)/n · size, as a balanced exchange;
-* collective-permute: ``bytes`` = operand size; ``wire_bytes`` = size · (pairs with
-  source ≠ target) / partitions.
+* collective-permute: ``bytes`` = operand size (every operand of a combined permute);
+  ``wire_bytes`` = size · (pairs with source ≠ target) / partitions.
 
 The permute's wire figure is the average over partitions of what a device sends to another
 device (self-pairs, which GSPMD emits for resharding, move nothing).
@@ -192,7 +192,10 @@ def collective_bytes(compiled_or_hlo_text: Any, mesh: Any) -> CollectiveReport:
                 moving = [(int(a), int(b)) for a, b in pairs if a != b]
                 groups = [list(p) for p in moving]
                 n = 2 if moving else 1
-                size = opnd[0] if opnd else 0.0
+                # XLA:GPU combines sends with the same pairs into one permute of several
+                # operands (all sent); the in-place form's further operands are buffers and
+                # offsets (``slice_sizes``), not data
+                size = (opnd[0] if "slice_sizes" in ins.attrs else sum(opnd)) if opnd else 0.0
                 wire = size * len(moving) / n_parts
             else:
                 groups = replica_groups(ins.attrs, n_parts)

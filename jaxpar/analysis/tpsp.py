@@ -66,14 +66,17 @@ def tp_wire_bytes(layer: LayerComm, t: int) -> float:
     """Wire bytes of one layer's activation collectives over ``tp`` (forward + backward).
 
     All-reduce 2·(t−1)/t of its operand; all-gather (t−1)/t of its output; an all-reduce next
-    to all-gathers (Megatron-SP on CPU) stands for a reduce-scatter: (t−1)/t of its operand.
+    to all-gathers (Megatron-SP on CPU) stands for a reduce-scatter: (t−1)/t of its operand; a
+    collective-permute (a step of Megatron-SP's collective matmul ring,
+    :mod:`jaxpar.model.collective_matmul`) its operand.
     """
     ring = (t - 1) / t
     _, ag = layer.get("all-gather", ("tp",))
     _, ar = layer.get("all-reduce", ("tp",))
     _, rs = layer.get("reduce-scatter", ("tp",))
+    _, cp = layer.get("collective-permute", ("tp",))
     ar_factor = 1.0 if ag else 2.0  # with SP the all-reduces are reduce-scatters in disguise
-    return ag * ring + rs * ring + ar * ring * ar_factor
+    return ag * ring + rs * ring + ar * ring * ar_factor + cp
 
 
 def expected_per_layer(cfg: RunConfig) -> dict[str, float]:

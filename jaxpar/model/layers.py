@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.model import collective_matmul as cm
 from jaxpar.model.attention import core as attention_core
 from jaxpar.model.attention import kv_repeat, resolve, ring_attention, target, ulysses
 from jaxpar.model.names import projected, resharded, weight
@@ -94,6 +95,30 @@ def _project_bwd(res, dy):
 
 
 project.defvjp(_project_fwd, _project_bwd)
+
+
+def column_parallel(x_BxSxD: jax.Array, w_DxN: jax.Array) -> jax.Array:
+    """A column-parallel matmul of the residual stream ``x`` (``w``'s axis 1 on tp):
+    :func:`gather_sequence` then :func:`project`; under Megatron-SP (tp > 1) the collective
+    matmul instead (:func:`jaxpar.model.collective_matmul.column_parallel`: the all-gather as a
+    ring of sends, each beside the matmul of the chunk that arrived before it)."""
+    ax = cm.axes(x_BxSxD.shape[1])
+    if ax is None:
+        return project(gather_sequence(x_BxSxD), w_DxN)
+    # Keeps x's producer (the norm's cast) on the sequence shard, as in gather_sequence.
+    return cm.column_parallel(constrain(x_BxSxD, ("batch", "act_seq", "embed")), w_DxN, ax)
+
+
+def row_parallel(h: jax.Array, w: jax.Array, n: int) -> jax.Array:
+    """A row-parallel matmul ``tensordot(h, w, n)`` (``h``'s axis 2 and ``w``'s axis 0 on tp)
+    onto the residual stream's layout: :func:`scatter_sequence` of the partial sums; under
+    Megatron-SP (tp > 1) the collective matmul instead
+    (:func:`jaxpar.model.collective_matmul.row_parallel`: the reduce-scatter as a ring whose
+    accumulator travels while each rank multiplies its next chunk)."""
+    ax = cm.axes(h.shape[1])
+    if ax is None:
+        return scatter_sequence(jnp.tensordot(h, w, n))
+    return cm.row_parallel(h, w, n, ax)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -205,13 +230,13 @@ class Attention(nnx.Module):
         # replication) so kv heads split like query heads; their gradients sum over the copies
         # (an all-reduce over tp of a [D, K, Dh] weight gradient when wk is replicated).
         wk, wv = (jnp.repeat(w[...], r, axis=1) for w in (self.wk, self.wv))
-        # Into the column-parallel projections: the residual stream's `act_seq` (on tp too under
-        # Megatron-SP) becomes `seq` (sp only): an all-gather over tp with SP, else a no-op.
-        x_BxSxD = gather_sequence(x_BxSxD)
         # One fused QKV matmul (weights grouped per TP rank), so the backward sums the q, k and
-        # v contributions to dx locally and all-reduces once over tp, not three times.
+        # v contributions to dx locally and all-reduces once over tp, not three times. Into it
+        # the residual stream's `act_seq` (on tp too under Megatron-SP) becomes `seq` (sp only):
+        # with SP a collective matmul (the all-gather overlapped), else a plain one.
         w = _fused_columns([self.wq[...], wk, wv], tp, dt, ("embed", "heads", None, "head_dim"))
-        y = constrain(projected(project(x_BxSxD, w)), ("batch", "seq", "heads", None, "head_dim"))
+        y = constrain(projected(column_parallel(x_BxSxD, w)),
+                      ("batch", "seq", "heads", None, "head_dim"))  # fmt: skip
         nq, nk = h // tp, kvh * r // tp
         q, k, v = (
             t.reshape(b, s, -1, dh) for t in jnp.split(y, (nq, nq + nk), axis=3)
@@ -234,9 +259,9 @@ class Attention(nnx.Module):
             # Elsewhere the constraint moves nothing and the core's output is kept already.
             o_BxSxHxDh = resharded(o_BxSxHxDh)
         # Row-parallel: contracting the tp-sharded heads gives partial sums -> one all-reduce
-        # over tp (a reduce-scatter onto the sequence shards under Megatron-SP).
-        out = jnp.einsum("bshk,hkd->bsd", o_BxSxHxDh, weight(self.wo[...].astype(o_BxSxHxDh.dtype)))
-        return scatter_sequence(out)
+        # over tp (a reduce-scatter onto the sequence shards under Megatron-SP, overlapped
+        # with the matmul as a collective matmul).
+        return row_parallel(o_BxSxHxDh, weight(self.wo[...].astype(o_BxSxHxDh.dtype)), 2)
 
     def implementation(self, dtype, head_dim: int) -> str:
         """The attention implementation this layer runs (:func:`attention.resolve`)."""
@@ -275,22 +300,25 @@ class MLP(nnx.Module):
             _normal(rngs, (f, d), std / (2 * cfg.n_layers) ** 0.5), logical_axes=("mlp", "embed")
         )
 
-    def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxSxD: jax.Array, gathered: bool = False) -> jax.Array:
+        """``gathered``: ``x`` already has its whole sequence (a MoE block's shared experts,
+        which read the router's gathered input): plain column-parallel matmuls on it."""
         dt = x_BxSxD.dtype
-        # All-gather over tp under Megatron-SP (see Attention), else a no-op.
-        x_BxSxD = gather_sequence(x_BxSxD)
+        # Column-parallel: the all-gather over tp under Megatron-SP overlapped with the matmul
+        # (collective matmul, see Attention), else a plain matmul.
+        up = (lambda x, w: project(gather_sequence(x), w)) if gathered else column_parallel
         if self.kind == "swiglu":
             # Gate and up fused per TP rank: one matmul, one backward all-reduce over tp.
             rules = active_rules()
             tp = rules.tp if rules else 1
             w = _fused_columns([self.w_gate[...], self.w_up[...]], tp, dt, ("embed", "mlp", None))
-            gu = constrain(projected(project(x_BxSxD, w)), ("batch", "seq", "mlp", None))
-            gate, up = jnp.split(gu, 2, axis=3)
+            gu = constrain(projected(up(x_BxSxD, w)), ("batch", "seq", "mlp", None))
+            gate, up_ = jnp.split(gu, 2, axis=3)
             b, s, _ = x_BxSxD.shape
-            h_BxSxF = (jax.nn.silu(gate) * up).reshape(b, s, -1)
+            h_BxSxF = (jax.nn.silu(gate) * up_).reshape(b, s, -1)
         else:
-            h_BxSxF = jax.nn.gelu(x_BxSxD @ weight(self.w_up[...].astype(dt)))
+            h_BxSxF = jax.nn.gelu(up(x_BxSxD, weight(self.w_up[...].astype(dt))))
         h_BxSxF = constrain(h_BxSxF, ("batch", "seq", "mlp"))
-        # Row-parallel: all-reduce over tp (reduce-scatter onto sequence shards under SP).
-        w_FxD = weight(self.w_down[...].astype(dt))
-        return scatter_sequence(h_BxSxF @ w_FxD)
+        # Row-parallel: all-reduce over tp (under SP a reduce-scatter onto sequence shards,
+        # overlapped with the matmul as a collective matmul).
+        return row_parallel(h_BxSxF, weight(self.w_down[...].astype(dt)), 1)

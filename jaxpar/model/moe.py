@@ -248,7 +248,7 @@ class MoE(nnx.Module):
         else:
             y = fn(x_BxSxD, r.slot_BxSxK, r.gate_BxSxK, ws)
         if cfg.moe.shared_experts:
-            y = y + self.shared(x_BxSxD)
+            y = y + self.shared(x_BxSxD, gathered=True)  # the router's gathered input
         return constrain(y, ("batch", "act_seq", "embed")), r.stats
 
 

@@ -1,0 +1,235 @@
+"""Collective matmul: Megatron-SP's tp all-gather and reduce-scatter as rings of
+``ppermute`` interleaved with partial matmuls (Wang et al., "Overlap Communication with
+Dependent Computation via Decomposition in Large Deep Learning Models", ASPLOS 2023).
+
+Under Megatron sequence parallelism the residual stream is sharded on the sequence over ``tp``.
+A column-parallel matmul (QKV, gate/up) needs the whole sequence: an all-gather of ``x`` over
+``tp`` and then the matmul, which cannot start before the gather ends. A row-parallel one
+(attention out, MLP down) makes partial sums over the whole sequence and reduce-scatters them.
+Decomposed, each becomes ``tp`` matmuls of one sequence chunk each and ``tp - 1`` sends to the
+next rank of a ring, where every send is independent of the matmul beside it, so XLA's
+scheduler runs them at once (the GPU program's collective-permutes have a matmul in their
+window, :mod:`jaxpar.analysis.hlo_gpu`):
+
+* :func:`column_parallel` (all-gather → matmul): step ``i`` multiplies the chunk that came from
+  rank ``r - i`` while passing it on to ``r + 1``; the products land in their sequence slot.
+* :func:`row_parallel` (matmul → reduce-scatter): an accumulator for chunk ``k`` starts at rank
+  ``k + 1`` and travels the ring, each rank adding its partial product for ``k``; after
+  ``tp - 1`` sends rank ``r`` holds the sum for its own chunk ``r``.
+
+Their VJPs are the same two rings the other way round, written out (``jax.custom_vjp``) so that
+the backward keeps only the sequence *shard* of a column-parallel input (the ring passes it
+again for the weight gradient, as the gathered path regathers it) and computes ``dW`` inside
+the ring that also moves ``dx``: the backward of :func:`column_parallel` is a reduce-scatter
+ring of ``dy·Wᵀ`` beside a ring of ``x`` chunks (``dW = Σ xₖᵀ·dyₖ``), the backward of
+:func:`row_parallel` one ring of ``dy`` chunks giving both ``dh`` (into their slots) and ``dW``.
+Wire bytes equal the all-gather's and reduce-scatter's ((tp - 1)/tp of the full activation per
+ring); each ring holds two chunk buffers in flight besides its output.
+
+Each ring runs in a ``jax.shard_map`` manual over the residual stream's sequence axes
+(``act_seq``: ``tp``, and ``sp`` when it is > 1: a weight's gradient is then summed over ``sp``
+by the map's transpose, as GSPMD sums it without the ring) on the mesh that is active (inside the
+step's manual dp region, on what remains of it); other axes keep their GSPMD shardings.
+Gradient sums are fp32 (``dW`` over the chunks); the reduce-scatter's accumulator is the
+compute dtype, as NCCL's ring reduces in the dtype it sends.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.sharding import active_rules
+
+TP = "tp"
+
+
+def axes(seq_len: int) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """``(act_seq, seq)`` mesh axes when the active rules put the residual stream's sequence on
+    ``tp`` (Megatron-SP, tp > 1) and a sequence of ``seq_len`` splits evenly over them; else
+    None (no collective matmul: the gathered path, e.g. a decode step of one token)."""
+    rules = active_rules()
+    if rules is None or rules.tp <= 1:
+        return None
+    act, seq = rules.lookup("act_seq"), rules.lookup("seq")
+    if TP not in act:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or TP not in mesh.axis_names or TP in mesh.manual_axes:
+        return None
+    if seq_len % math.prod(mesh.shape[a] for a in act):
+        return None
+    # Size-1 axes stay automatic: manual, a weight's gradient would be summed over one device
+    # (an all-reduce of nothing in the HLO).
+    return tuple(a for a in act if mesh.shape[a] > 1), tuple(a for a in seq if mesh.shape[a] > 1)
+
+
+def column_parallel(x_BxSxD: jax.Array, w_DxN: jax.Array, ax) -> jax.Array:
+    """``tensordot(x, w, 1)`` with ``x`` sequence-sharded over ``ax[0]`` (``act_seq``) and
+    ``w``'s axis 1 on ``tp``: the output has the sequence on ``ax[1]`` (``seq``) and axis 2 on
+    ``tp``. The all-gather of ``x`` is a ring overlapped with the chunk matmuls."""
+    act, seq = ax
+    t = jax.sharding.get_abstract_mesh().shape[TP]
+    rest = (None,) * (w_DxN.ndim - 2)
+    fn = jax.shard_map(
+        partial(_ag_matmul, t=t),
+        in_specs=(P(None, act, None), P(None, TP, *rest)),
+        out_specs=P(None, seq or None, TP, *rest),
+        axis_names=set(act),
+        check_vma=False,
+    )
+    return fn(x_BxSxD, w_DxN)
+
+
+def row_parallel(h: jax.Array, w: jax.Array, n: int, ax) -> jax.Array:
+    """``tensordot(h, w, n)`` (``h``'s axes 2.. against ``w``'s first ``n``; ``h``'s axis 2 and
+    ``w``'s axis 0 on ``tp``: partial sums) reduce-scattered onto the sequence shards
+    (``act_seq``), as a ring overlapped with the chunk matmuls."""
+    act, seq = ax
+    t = jax.sharding.get_abstract_mesh().shape[TP]
+    fn = jax.shard_map(
+        partial(_matmul_rs, n=n, t=t),
+        in_specs=(
+            P(None, seq or None, TP, *(None,) * (h.ndim - 3)),
+            P(TP, *(None,) * (w.ndim - 1)),
+        ),
+        out_specs=P(None, act, None),
+        axis_names=set(act),
+        check_vma=False,
+    )
+    return fn(h, w)
+
+
+# ---- the rings, on one device's blocks (inside the shard_map) -------------------------------
+#
+# Every ring step ends in an optimization barrier over what the next step's matmuls read and
+# what this step's produced. Without it XLA:GPU's dot merger joins the ring's independent
+# chunk matmuls (they share the weight) into one matmul of the concatenated chunks, which must
+# wait for every send: the ring's sends then run back to back, synchronous, before one big
+# matmul (llama3-8b tp 8 + SP on h100-8: 1.5 of the 4.7 GB of sends exposed that way). With it
+# step i + 1's matmuls and sends start when step i's matmul and send are both done: each send
+# runs beside one chunk's matmul.
+
+
+def _send(x: jax.Array, t: int) -> jax.Array:
+    """``x`` to the next rank of the tp ring (and the previous rank's in return)."""
+    return jax.lax.ppermute(x, TP, [(j, (j + 1) % t) for j in range(t)])
+
+
+def _chunk(a: jax.Array, k, t: int) -> jax.Array:
+    """Sequence chunk ``k`` (traced) of ``a`` ``[B, t·c, ...]``: ``[B, c, ...]``."""
+    c = a.shape[1] // t
+    return jax.lax.dynamic_slice_in_dim(a, k * c, c, axis=1)
+
+
+def _place(out: jax.Array, y: jax.Array, k) -> jax.Array:
+    """``y`` ``[B, c, ...]`` written into sequence chunk ``k`` of ``out``."""
+    return jax.lax.dynamic_update_slice_in_dim(out, y, k * y.shape[1], axis=1)
+
+
+def _dw(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``aᵀ·b`` over batch and sequence (axes 0, 1), accumulated in fp32."""
+    return jnp.tensordot(a, b, axes=((0, 1), (0, 1)), preferred_element_type=jnp.float32)
+
+
+def _add(acc, x):
+    return x if acc is None else acc + x
+
+
+_barrier = jax.lax.optimization_barrier
+
+
+def _gather_apply(x: jax.Array, t: int, f, out_shape, dtype, extra=None):
+    """The all-gather ring: ``f(chunk_from_rank_k)`` placed in slot ``k`` for every ``k``;
+    ``extra(chunk, k, carry)`` folds each chunk into a carry too (a backward's ``dW``)."""
+    r = jax.lax.axis_index(TP)
+    out = jnp.zeros(out_shape, dtype)
+    cur, carry = x, None
+    for i in range(t):
+        k = (r - i) % t  # cur came from rank k
+        nxt = _send(cur, t) if i < t - 1 else None  # in flight during this chunk's matmuls
+        out = _place(out, f(cur), k)
+        if extra is not None:
+            carry = extra(cur, k, carry)
+        if nxt is not None:
+            nxt, out, carry = _barrier((nxt, out, carry))
+        cur = nxt
+    return out, carry
+
+
+def _scatter_reduce(t: int, part, operand):
+    """The reduce-scatter ring: ``Σ_ranks part(operand, r)`` for this rank's chunk ``r``, where
+    ``part(operand, k)`` is this rank's partial product for sequence chunk ``k``."""
+    r = jax.lax.axis_index(TP)
+    acc = part(operand, (r - 1) % t)
+    for i in range(1, t):
+        acc, operand = _barrier((acc, operand))
+        # acc travels while this rank multiplies its next chunk
+        acc = _send(acc, t) + part(operand, (r - 1 - i) % t)
+    return acc
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ag_matmul(x, w, t):
+    b, c = x.shape[:2]
+    shape = (b, t * c, *w.shape[1:])
+    return _gather_apply(x, t, lambda xc: jnp.tensordot(xc, w, 1), shape, x.dtype)[0]
+
+
+def _ag_matmul_fwd(x, w, t):
+    return _ag_matmul(x, w, t), (x, w)
+
+
+def _ag_matmul_bwd(t, res, dy):
+    """dx: ``Σ_ranks dy[chunk r]·Wᵀ`` (a reduce-scatter ring); dW: ``Σ_k x_kᵀ·dy[chunk k]``
+    (``x`` chunks passed round a second ring). Both rings' sends of step ``i`` run beside its
+    two matmuls."""
+    x, w = res
+    r = jax.lax.axis_index(TP)
+    axes = (tuple(range(2, dy.ndim)), tuple(range(1, w.ndim)))
+    cur, acc, dw = x, None, None
+    for i in range(t):
+        k = (r - i) % t  # cur came from rank k
+        nxt = _send(cur, t) if i < t - 1 else None
+        sent = _send(acc, t) if i else None
+        dw = _add(dw, _dw(cur, _chunk(dy, k, t)))
+        acc = _add(sent, jnp.tensordot(_chunk(dy, (r - 1 - i) % t, t), w, axes))
+        if nxt is not None:
+            nxt, acc, dw, dy = _barrier((nxt, acc, dw, dy))
+        cur = nxt
+    return acc.astype(x.dtype), dw.astype(w.dtype)
+
+
+_ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul_rs(h, w, n, t):
+    return _scatter_reduce(t, lambda hh, k: jnp.tensordot(_chunk(hh, k, t), w, n), h)
+
+
+def _matmul_rs_fwd(h, w, n, t):
+    return _matmul_rs(h, w, n, t), (h, w)
+
+
+def _matmul_rs_bwd(n, t, res, dy):
+    """``dh[chunk k] = dy_k·Wᵀ`` and ``dW = Σ_k h[chunk k]ᵀ·dy_k``, with ``dy_k`` (rank
+    ``k``'s) arriving round an all-gather ring."""
+    h, w = res
+    last = tuple(range(n, w.ndim))
+
+    def dh(dyc):
+        return jnp.tensordot(dyc, w, (tuple(range(2, dyc.ndim)), last)).astype(h.dtype)
+
+    def dw(dyc, k, acc):
+        return _add(acc, _dw(_chunk(h, k, t), dyc))
+
+    out, dw_sum = _gather_apply(dy, t, dh, h.shape, h.dtype, extra=dw)
+    return out, dw_sum.astype(w.dtype)
+
+
+_matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd)
