@@ -46,7 +46,15 @@ import numpy as np
 
 from jaxpar.pipeline import carry as ops
 from jaxpar.pipeline.branches import FB_BRANCH, cond, switch
-from jaxpar.pipeline.carry import BackwardIn, BackwardOut, Carry, ForwardOut, StageParams, TickIn
+from jaxpar.pipeline.carry import (
+    BackwardIn,
+    BackwardOut,
+    Carry,
+    ForwardKept,
+    ForwardOut,
+    StageParams,
+    TickIn,
+)
 from jaxpar.pipeline.stage import Stage, StagePieces
 from jaxpar.pipeline.step_tables import StepTables
 from jaxpar.pipeline.tables import B_INPUT, CHANNEL_OF_SEND, F_FB, F_RUN, SEND_LOCAL, TickTable
@@ -101,6 +109,10 @@ class _Program:
         self.tables, self.model, self.params = tables, model, params
         self.tokens, self.targets = tokens, targets
         self.w, self.n, self.train = tables.weights, tables.table.slots, tables.training
+        t = tables.table
+        if self.train and np.any(t.f_stash[t.f_kind == F_RUN] < 0):
+            # ops.put_all writes the forward's stash unconditionally (at slot 0 for -1)
+            raise ValueError("pipeline table: a training forward (F) without a stash slot")
         x0 = jax.eval_shape(model.embed, params.embed, tokens[0])
         self.dtype, self.msg0 = x0.dtype, jnp.zeros(x0.shape, x0.dtype)
         self.stage = Stage(model.pieces, self.chunk(0), self.msg0)
@@ -158,10 +170,13 @@ class _Program:
         none (a dense layer's ``()``), so every branch returns one structure."""
         return stats if self.stage.stats_shapes is not None else None
 
-    def f_idle(self, xs: TickIn, x_in: jax.Array) -> ForwardOut:
-        return ops.fresh(self.f_shapes)
+    def f_idle(self, xs: TickIn, x_in: jax.Array, kept: ForwardKept | None) -> ForwardOut:
+        if kept is None:
+            return ops.fresh(self.f_shapes)
+        return ops.fresh(self.f_shapes, stash=ops.held(kept.stash, kept.k_stash),
+                         taps=ops.held(kept.taps, kept.k_taps))  # fmt: skip
 
-    def f_fwd(self, xs: TickIn, x_in: jax.Array) -> ForwardOut:
+    def f_fwd(self, xs: TickIn, x_in: jax.Array, kept: ForwardKept | None) -> ForwardOut:
         row, train = xs.row, self.train
         s, j = row.f_stage, row.f_mb
         embed = lambda: self.model.embed(self.params.embed, self.tokens[j]).astype(self.dtype)  # noqa: E731
@@ -277,8 +292,12 @@ class _Program:
             bo, arr_grad = self._backward_phase(c, xs)
             prog, (bo, arr_grad) = self._behind(bo, arr_grad)
             after = ops.zero_after(bo.dx)  # the forward (and its slot writes) after the backward
+        # The stash and taps slots this tick's forward fills; an idle forward hands back what
+        # they hold (ops.put_all writes them either way).
+        kept = ForwardKept(c.stash, c.taps, row.f_stash + after,
+                           row.f_taps + after) if self.train else None  # fmt: skip
         fo = cond(row.f_kind == F_RUN, prog.f_fwd, prog.f_idle, self.w.forward, xs,
-                   ops.slot(c.act, row.f_in + after))  # fmt: skip
+                   ops.slot(c.act, row.f_in + after), kept)  # fmt: skip
         arr_act = self.send("act", fo.y, xs)
         loss = fo.loss + bo.loss if self.tables.has_fb else fo.loss  # FB's loss: backward's
         c = dataclasses.replace(c, loss=c.loss + loss, stats=self._add_stats(c.stats, row, fo, bo))
@@ -339,8 +358,8 @@ class _Program:
         d_heads += [bo.d_head] if self.tables.has_fb else []
         c = dataclasses.replace(
             c,
-            stash=ops.write_all(c.stash, row.f_stash + after, fo.stash),
-            taps=ops.write_all(c.taps, row.f_taps + after, fo.taps),
+            stash=ops.put_all(c.stash, row.f_stash + after, fo.stash),
+            taps=ops.put_all(c.taps, row.f_taps + after, fo.taps),
             wpend=ops.write_all(c.wpend, i_write, bo.wpend),
             acc=ops.accumulate(c.acc, chunk, bo.d_chunk, self.tables.schedule.v),
             acc_embed=jax.tree.map(jnp.add, c.acc_embed, bo.d_embed),

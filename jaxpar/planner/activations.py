@@ -111,4 +111,6 @@ def block_residuals(
         attn_c, attn_f, attn_b = kernel_c, kernel_f, 0.0
     c = 2 * stream + attn_c + q + 6 * f
     fused = model.d_model * (q + 2 * kv + (2 * f if swiglu else 0))  # fused QKV and gate/up
+    if lay.pp > 1:  # a stage's policy recomputes the weights' casts (jaxpar.train.remat)
+        fused = 0.0
     return Residuals(c, norms_f + attn_f, attn_b, fused)

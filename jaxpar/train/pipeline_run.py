@@ -139,7 +139,7 @@ class PipelineRun:
 
         # A layer never keeps a weight for its backward (not even a cast or fused copy): the
         # stash holds activations only. Recomputed stages run their layers unchecked.
-        policy = remat_of("none" if recompute else remat.name).policy(regather=True)
+        policy = remat_of("none" if recompute else remat.name).policy(regather=True, stage=True)
         pieces = StagePieces(layer, policy, recompute, self.tables.split_backward)
         return PipelineModel(pieces, embed, head_loss, self._reducers())
 
