@@ -6,8 +6,8 @@ speed-of-light estimator configured from the mesh file (:func:`jaxpar.gpu.lhs.so
 scheduler's statistics logged (``TF_CPP_VMODULE=latency_hiding_scheduler=1``). For each
 computation the scheduler reports after scheduling: its total and wasted µs (per collective
 kind), and jaxpar's walk of the same computation (:func:`jaxpar.gpu.lhs.computation_times`):
-step, compute and exposed µs without the ``while`` loops it runs (XLA costs a ``while`` as
-nothing), the time in those loops, and the cuDNN attention time (XLA costs it as nothing).
+step, compute and exposed µs without the ``while`` loops it runs (XLA costs a ``while`` at
+0.01 µs), the time in those loops, and the cuDNN attention time (XLA: a 10 µs fallback a call).
 Per instruction class (``instructions``, :func:`jaxpar.gpu.lhs.instruction_costs`): what XLA's
 estimator gave the matmuls (its interpolator over measured GEMMs), the fusions (its performance
 model) and the collectives, beside jaxpar's cost of the same instructions.

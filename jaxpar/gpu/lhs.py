@@ -11,9 +11,9 @@ return ``absl::ToDoubleMicroseconds``). What that estimator costs and how, read 
 file (jaxlib 0.10.x):
 
 * loop and input fusions: XLA's GPU performance model (bytes and FLOPs at the device's
-  figures); matmuls: its matmul interpolator where it has a profile for the device; every other
-  instruction — a ``while`` (its body not counted), a cuDNN attention custom call — 0.01 of
-  ``kLowCost``, i.e. about nothing;
+  figures); matmuls: its matmul interpolator (bf16 GEMMs measured per GPU) where it has a
+  profile for the device; every other instruction a fallback: 0.01 µs for a ``while`` (its
+  body not counted), 10 µs for a cuDNN attention custom call (read from the VLOG 10 lines);
 * async collective pairs: ``ComputeCollectiveTime`` from the options below (launch time, NIC
   speed in GB/s, chunk preparation, round trip, GPUs per node, chunk size) across nodes; inside
   one NVLink domain a measured perf table, else a fallback (the approximate estimator or the
@@ -109,7 +109,8 @@ def computation_times(text: str, mesh: Any, hw: HardwareConfig, comps_wanted: li
     one iteration, its parameter unknown: a collective started in the previous iteration is not
     waited for). Per computation: ``step_s``, ``compute_s``, ``exposed_s`` (all of it) and the
     same three without the ``while`` loops it runs (``flat_*``: XLA's estimator costs a
-    ``while`` as nothing), and ``loops_s``, the time spent in those loops."""
+    ``while`` at 0.01 µs), ``loops_s``, the time spent in those loops, and ``attention_s``, the
+    cuDNN attention time outside them (XLA: 10 µs a call)."""
     check_hardware(hw)
     comps, entry = parse_module(text)
     colls = {(c.computation, c.name): c for c in collective_bytes(text, mesh).collectives}
