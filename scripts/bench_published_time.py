@@ -65,7 +65,7 @@ COMPILED = (
 SKIP_PIPELINE = ("a pipeline (pp {pp}, {v} virtual): a step is not linear in the layers per "
                  "stage (the bubble), and the smallest depth the schedule takes is pp·v = {d} "
                  "layers of d_model {dm}; not tried")  # fmt: skip
-SKIP_DEVICES = ("{n} GPUs: not tried (the 64-GPU compiles took 1-2 min each here, and the "
+SKIP_DEVICES = ("{n} GPUs: not tried (XLA compiled the 64-GPU rows in 8-63 s each here; the "
                 "partitioner's work grows with the device count)")  # fmt: skip
 
 
