@@ -5,7 +5,9 @@ per process; every GPU mesh file carries the same flags): compiled memory per de
 planner's, collective wire bytes per mesh axis beside the planner's, the share of collective
 bytes with no matmul or attention kernel scheduled between start and done (``exposed_share``)
 and the share marked ``is_sync``, the attention implementation found in the program, compile
-time. Rows:
+time, and the compile's ``estimate`` (:mod:`jaxpar.gpu.timing`: the scheduled program simulated
+on the mesh file's hardware — step, compute, exposed communication per mesh axis, TFLOP/s per
+device, MFU — beside the planner's step, ``step_ratio`` = planner / estimate). Rows:
 
 * llama2-70b on a100-64: the mesh file's production layout, the planner's pick (``jaxpar
   plan``: dp 32 x tp 2 + SP, ZeRO-3, selective recompute, two micro-batches), the same with
@@ -79,6 +81,10 @@ ROWS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }  # fmt: skip
 
 
+ESTIMATE = ("step_s", "planner_step_s", "step_ratio", "compute_s", "exposed_s", "comm_s",
+            "tflops_per_device", "mfu", "assumptions")  # fmt: skip
+
+
 def row(name: str, timeout: int) -> dict:
     """One compile's figures (or its error)."""
     model, mesh, flags = ROWS[name]
@@ -114,6 +120,8 @@ def row(name: str, timeout: int) -> dict:
         "attention": out["attention"]["chosen"],
         "cudnn_calls": sum(out["attention"]["in_program"].values()),
         "compile_seconds": out["compile_seconds"],
+        # the time model of the scheduled program (jaxpar.gpu.timing) beside the planner's step
+        "estimate": {k: out["estimate"][k] for k in ESTIMATE},
     }
 
 
