@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import warnings
 from dataclasses import dataclass, field, fields
@@ -75,6 +76,12 @@ class MoeConfig:
         if ep <= 1:
             return False
         return self.dispatch == "ragged" or (self.dispatch == "auto" and platform in GPU_PLATFORMS)
+
+    def capacity(self, seq_len: int) -> int:
+        """Slots per expert per sequence: ``S`` dropless, else ``ceil(c·k·S/E)`` (at most S)."""
+        if self.capacity_factor == 0:
+            return seq_len
+        return min(seq_len, math.ceil(self.capacity_factor * self.top_k * seq_len / self.experts))
 
     @property
     def enabled(self) -> bool:
@@ -418,11 +425,26 @@ def load(model: str = "tiny", mesh: str = "cpu-8") -> RunConfig:
     """Load a run configuration from a model and a mesh name; training defaults embedded.
 
     A mesh file may carry a ``train:`` mapping (e.g. the global batch and sequence length of a
-    production layout); it overrides the embedded training defaults.
+    production layout); it overrides the embedded training defaults. The sequence length is
+    :func:`default_seq_len`: no longer than the model's context.
     """
     mesh_cfg = load_mesh(mesh)
     train = _from_dict(TrainConfig, dict(mesh_cfg.train), "mesh.train")
-    return RunConfig(model=load_model(model), mesh=mesh_cfg, train=train)
+    cfg = RunConfig(model=load_model(model), mesh=mesh_cfg, train=train)
+    cfg.train.seq_len = default_seq_len(cfg)
+    return cfg
+
+
+def default_seq_len(cfg: RunConfig) -> int:
+    """The sequence length of a run that states none: the mesh file's ``train.seq_len`` (else
+    the embedded default), cut to ``model.max_seq_len`` when the model's context is shorter
+    (gpt3-175b's 2048 on a mesh planned at 8192). A stated length is never cut: above the
+    model's context it is refused (:func:`jaxpar.validation.validate`)."""
+    seq = cfg.mesh.train.get("seq_len", TrainConfig.seq_len)
+    limit = cfg.model.max_seq_len
+    if isinstance(limit, int) and not isinstance(limit, bool) and 1 <= limit < seq:
+        return limit  # a bad max_seq_len is left to its own refusal
+    return seq
 
 
 def override(cfg: RunConfig, dotted: str, value: Any) -> None:

@@ -84,6 +84,8 @@ def check(where: str, value: Any, f: dataclasses.Field) -> Any:
         items = _list_items(value, _element(f))
         if items is not None:
             return items
+        # a list, but not of what the field holds: say which elements, not "expected a list"
+        raise ConfigError(f"{where}={_brief(value)}: expected {_describe_list(_element(f))}")
     elif isinstance(value, dict) and "dict" in names:
         return value
     shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
@@ -95,6 +97,18 @@ def _element(f: dataclasses.Field) -> str:
     text = f.type if isinstance(f.type, str) else str(f.type)
     start = text.find("list[")
     return text[start + 5 : text.rindex("]")].strip() if start >= 0 else "str"
+
+
+def _describe_list(element: str) -> str:
+    if element == "list[float]":
+        return "a list of [number, ...] rows of finite numbers"
+    return f"a list of {_describe({element}).split(' ', 1)[1]}s"
+
+
+def _brief(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _list_items(value: list, element: str) -> list | None:
@@ -138,9 +152,16 @@ def from_text(text: str, f: dataclasses.Field, where: str) -> Any:
         parts = [v for v in text.split(",") if v]
         if _element(f) == "list[float]":  # "64:0.31,1024:0.62" -> [[64.0, 0.31], [1024.0, 0.62]]
             try:
-                return [[float(x) for x in part.split(":")] for part in parts]
+                rows = [[float(x) for x in part.split(":")] for part in parts]
             except ValueError:
-                raise ConfigError(f"{where}={text!r}: expected SIZE:SHARE,SIZE:SHARE,...") from None
+                rows = None
+            if rows is None or not all(finite(x) for row in rows for x in row):
+                # the one such field is a matmul curve (jaxpar.validation.check_curve)
+                raise ConfigError(
+                    f"{where}={text!r}: expected SIZE:SHARE,SIZE:SHARE,... of finite numbers "
+                    "(sizes >= 1 ascending, shares in (0, 1])"
+                )
+            return rows
         return parts
     if "str" in names:
         return text

@@ -17,13 +17,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from jaxpar import typed
+from jaxpar import config, typed
 from jaxpar.config import (
     ATTENTION,
     AXES,
     DISPATCHES,
     DTYPES,
-    GPU_PLATFORMS,
     OFFLOAD,
     ON_NONFINITE,
     PIPELINE_MEMORY,
@@ -236,7 +235,9 @@ def check_dispatch(moe, ep: int, platform: str) -> None:
     """A ragged MoE exchange needs XLA's ragged all-to-all, which only GPU targets compile
     (the trainer checks its devices' platform, ``--dry-run`` the platform the run will use:
     :func:`jaxpar.preflight.check_platform`)."""
-    if moe.enabled and ep > 1 and moe.dispatch == "ragged" and platform not in GPU_PLATFORMS:
+    # config.GPU_PLATFORMS read when called (tests/test_moe_ragged.py widens it to emulate)
+    ragged = moe.dispatch == "ragged"
+    if moe.enabled and ep > 1 and ragged and platform not in config.GPU_PLATFORMS:
         raise ConfigError(
             f"model.moe.dispatch='ragged': with layout.ep={ep} it needs a ragged all-to-all, "
             f"which XLA on platform {platform!r} does not implement (GPU targets only); use "
@@ -268,6 +269,9 @@ def _check_hardware(mesh: MeshConfig) -> None:
     _positive("hardware.devices_per_node", hw.devices_per_node)
     _positive("hardware.nics_per_node", hw.nics_per_node)
     check_curve("hardware.matmul_efficiency", hw.matmul_efficiency)
+    for name in ("intra_node_latency_s", "inter_node_latency_s"):  # None: NCCL's figures
+        if getattr(hw, name) is not None:
+            _number(f"hardware.{name}", getattr(hw, name), 0, lo_open=False)
     for flag in hw.xla_flags:
         # XLA aborts the process on a malformed or unknown flag; refuse what cannot be one
         if not re.fullmatch(r"--[A-Za-z0-9_]+(=\S*)?", flag):
@@ -346,14 +350,7 @@ def check_layout(
     """The layout rules of :func:`validate` (raises :class:`ConfigError`): axis sizes, ZeRO,
     heads and layers against tp/sp/pp, the batch and sequence against the data and sequence
     shards, and the schedule. The planner draws its candidates through this same predicate."""
-    _positive("train.global_batch", global_batch)
-    _positive("train.seq_len", seq_len)
-    if global_batch * seq_len > INT32_MAX:
-        raise ConfigError(
-            f"train.global_batch={global_batch}: global_batch*seq_len={global_batch}*{seq_len}="
-            f"{global_batch * seq_len} tokens per step: must be at most {INT32_MAX} (int32 in "
-            "the compiled step)"
-        )
+    check_sizes(m, global_batch, seq_len)
     for a in AXES:
         _positive(f"layout.{a}", getattr(lay, a))
     if n_devices is not None and lay.n_devices != n_devices:
@@ -410,8 +407,60 @@ def check_layout(
         raise ConfigError(
             f"train.seq_len={seq_len}: must be divisible by the sequence shards ({div})"
         )
+    _check_ragged_slots(m, lay, global_batch, seq_len)
     if lay.pp > 1:  # after the batch rules: micro-batches are bounded by the batch now
         _check_pipeline(lay)
+
+
+def check_sizes(m: ModelConfig, global_batch: int, seq_len: int) -> None:
+    """The workload's products that the compiled step counts or indexes with int32 (a Python
+    int past it wraps or fails while tracing), whatever the layout (the planner checks them
+    before its search): the tokens of a step (the loss sums over them) and, for a MoE model
+    (:mod:`jaxpar.model.moe`, :mod:`jaxpar.model.ragged`), the routed assignments, tokens ×
+    top_k (queue positions, the ragged sort and exchange, the dropped count), and a
+    sequence's dispatch slots, experts × capacity (the padded buffer's slot index)."""
+    _positive("train.global_batch", global_batch)
+    _positive("train.seq_len", seq_len)
+    if global_batch * seq_len > INT32_MAX:
+        raise ConfigError(
+            f"train.global_batch={global_batch}: global_batch*seq_len={global_batch}*{seq_len}="
+            f"{global_batch * seq_len} tokens per step: must be at most {INT32_MAX} (int32 in "
+            "the compiled step)"
+        )
+    e = m.moe
+    if not e.enabled:
+        return
+    assignments = global_batch * seq_len * e.top_k
+    if assignments > INT32_MAX:
+        raise ConfigError(
+            f"model.moe.top_k={e.top_k}: global_batch*seq_len*top_k={global_batch}*{seq_len}*"
+            f"{e.top_k}={assignments} routed assignments per step: must be at most "
+            f"{INT32_MAX} (int32 in the compiled step)"
+        )
+    c = e.capacity(seq_len)
+    if e.experts * c > INT32_MAX:
+        raise ConfigError(
+            f"model.moe.experts={e.experts}: experts*capacity={e.experts}*{c}="
+            f"{e.experts * c} dispatch slots per sequence: must be at most {INT32_MAX} (int32 "
+            "slot indices in the compiled step)"
+        )
+
+
+def _check_ragged_slots(m: ModelConfig, lay: LayoutConfig, global_batch: int, seq_len: int):
+    """A ragged exchange (``dispatch`` ragged, or auto on a GPU target, with ep > 1) indexes
+    the owner's slots of all its rows at once: experts × a dp rank's rows × capacity, int32."""
+    e = m.moe
+    if not e.enabled or lay.ep == 1 or e.dispatch == "padded":
+        return
+    rows, c = global_batch // lay.dp, e.capacity(seq_len)
+    if e.experts * rows * c > INT32_MAX:
+        raise ConfigError(
+            f"layout.ep={lay.ep}: with model.moe.dispatch={e.dispatch!r} the exchange can be "
+            f"ragged, which indexes experts*rows*capacity={e.experts}*{rows}*{c}="
+            f"{e.experts * rows * c} slots (rows: global_batch/dp={global_batch}/{lay.dp}): "
+            f"must be at most {INT32_MAX} (int32 slot indices in the compiled step; "
+            "model.moe.dispatch=padded indexes one sequence's)"
+        )
 
 
 def _check_heads(m: ModelConfig, lay: LayoutConfig) -> None:

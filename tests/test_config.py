@@ -80,3 +80,44 @@ def test_published_shapes():
     }
     for name, n in expect.items():
         assert abs(C.load_model(name).param_count() / n - 1) < 0.003, name
+
+
+def test_default_sequence_fits_every_model(capsys, monkeypatch):
+    """A workload nobody stated fits the model: the mesh file's sequence (h100-8: 8192) cut to
+    the model's context (gpt3-175b's 2048), in plan, train --dry-run and compile alike; a
+    stated --seq/--seq-len past the context stays a one-line refusal."""
+    import json
+
+    from jaxpar.gpu import targets as T
+
+    class Compiles(Exception):
+        pass
+
+    def compiles():
+        raise Compiles  # compile got past every check: stop before the plugin
+
+    monkeypatch.setattr(T, "require_plugin", compiles)
+    flags = ("--mesh", "h100-8", "--devices", "1", "--json")  # 1 device: a short search
+    for model in sorted(p.stem for p in C.MODELS_DIR.glob("*.yaml")):
+        want = min(8192, C.load_model(model).max_seq_len)
+        assert C.load(model, "h100-8").train.seq_len == want
+        assert main(["plan", "--model", model, *flags]) in (0, 1), model  # 1: nothing fits
+        out = capsys.readouterr()
+        assert "error" not in out.err, out.err
+        assert json.loads(out.out.splitlines()[-1])["workload"]["seq_len"] == want
+        for verb in (["train", "--dry-run"], ["compile"]):
+            try:
+                assert main([*verb, "--model", model, "--layout", "auto", *flags]) in (0, 1)
+            except Compiles:
+                pass
+            assert "error" not in capsys.readouterr().err, (model, verb)
+    # -o model.max_seq_len after loading: the default follows the model as it ends up
+    assert main(["train", "--dry-run", "--json", "-o", "model.max_seq_len=64"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["train"]["seq_len"] == 64
+    assert _err(capsys, ["plan", "--model", "gpt3-175b", "--mesh", "h100-8", "--seq", "4096"]) == (
+        "jaxpar plan: error: train.seq_len=4096: must be <= model.max_seq_len=2048"
+    )
+    assert _err(capsys, ["train", "--model", "gpt3-175b", "--mesh", "h100-8", "--dry-run",
+                         "-o", "train.seq_len=4096"]) == (
+        "jaxpar train: error: train.seq_len=4096: must be <= model.max_seq_len=2048"
+    )  # fmt: skip

@@ -81,3 +81,28 @@ def test_dry_run_refuses_what_the_run_refuses(capsys):
             V.validate(cfg, cfg.mesh.devices)
     # Not measured: the run needs none, so neither does its dry run (memory reads none).
     assert main(["train", "--dry-run", "-o", "hardware.matmul_efficiency="]) == 0
+
+
+def test_list_and_typed_overrides_name_field_value_and_rule(capsys):
+    """``-o hardware.matmul_efficiency=1:nan`` said ``=list: expected a list``: a list field's
+    refusal names the field, the value given and the rule, from the command line and a file
+    alike; the latency figures (a traceback at nan, a negative one accepted) have a rule."""
+    curve = "expected SIZE:SHARE,SIZE:SHARE,... of finite numbers (sizes >= 1 ascending, "
+    for text in ("1:nan", "1e400:0.5", "64:x"):
+        (line,) = _dry_run(capsys, "-o", f"hardware.matmul_efficiency={text}")
+        assert line == f"jaxpar train: error: hardware.matmul_efficiency='{text}': {curve}" + (
+            "shares in (0, 1])"
+        )
+    for value in ("nan", "-1e-06"):
+        (line,) = _dry_run(capsys, "-o", f"hardware.inter_node_latency_s={value}")
+        assert line == (f"jaxpar train: error: hardware.inter_node_latency_s={value}: must be "
+                        "a finite number in [0, inf)")  # fmt: skip
+    # A mapping read from a file goes through the same check.
+    fields = {f.name: f for f in C.fields(C.HardwareConfig)}
+    with pytest.raises(ConfigError) as e:
+        C.typed.check("hardware.matmul_efficiency", [1, 2], fields["matmul_efficiency"])
+    assert str(e.value) == ("hardware.matmul_efficiency=[1, 2]: expected a list of [number, "
+                            "...] rows of finite numbers")  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        C.typed.check("hardware.xla_flags", ["--a", 5], fields["xla_flags"])
+    assert str(e.value) == "hardware.xla_flags=['--a', 5]: expected a list of strings"

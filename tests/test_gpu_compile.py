@@ -111,10 +111,15 @@ def test_unknown_xla_flag_refused_before_compiling(tmp_path):
 
 def test_compile_3d_layout_on_h100_node(tmp_path):
     """pp 2 x dp 2 x tp 2 in bf16 on an 8-GPU target: cuDNN attention in the program, the
-    collectives asynchronous, memory and per-axis bytes beside the planner's."""
+    collectives asynchronous, memory and per-axis bytes beside the planner's. The vocabulary
+    is GPT-2's 50257, which tp does not divide (issue 48: IndivisibleError): padded at rest to
+    50432 (a multiple of 128 * tp), each tp shard of the tables 25216 rows."""
     _plugin_or_fail()
+    hlo = tmp_path / "step.hlo"
     out = _report(_compile(tmp_path, "--mesh", "h100-8", "--pp", "2", "--dp", "2", "--tp", "2",
-                           "--zero", "1", "--microbatches", "4", "--json"))  # fmt: skip
+                           "--zero", "1", "--microbatches", "4", "-o", "model.vocab_size=50257",
+                           "--hlo", str(hlo), "--json"))  # fmt: skip
+    assert "f32[25216,64]" in hlo.read_text()  # a tp shard of the padded embedding
     assert out["target"]["device_kind"] == "NVIDIA H100 80GB HBM3"
     assert out["attention"]["chosen"] == "cudnn"
     calls = out["attention"]["in_program"]

@@ -221,3 +221,39 @@ def test_cli_refuses_in_one_line(capsys):
     assert code == 2 and err == [
         "jaxpar train: error: model.moe.top_k=9: must be at most model.moe.experts=8"
     ]
+
+
+def test_int32_products_refused_in_one_line(capsys):
+    """The dispatch counts and indexes with int32: tokens x top_k (queue positions, the ragged
+    sort, the dropped count) and experts x capacity (slot indices; x a rank's rows when the
+    exchange is ragged). Past int32: one line, exit 2, before anything compiles, and the
+    planner says so before its search (not "no valid layout")."""
+    flags = ["--model", "tiny-moe", "--pp", "1", "--tp", "1", "--dp", "8", "--microbatches", "1"]
+    cases = [
+        (["train", "--dry-run", *flags, "--global-batch", str(2**23), "--seq-len", "128"],
+         "jaxpar train: error: model.moe.top_k=2: global_batch*seq_len*top_k=8388608*128*2="
+         "2147483648 routed assignments per step: must be at most 2147483647 (int32 in the "
+         "compiled step)"),
+        (["plan", "--model", "tiny-moe", "--mesh", "h100-8", "--global-batch", str(2**22),
+          "--seq", "256"],
+         "jaxpar plan: error: model.moe.top_k=2: global_batch*seq_len*top_k=4194304*256*2="
+         "2147483648 routed assignments per step: must be at most 2147483647 (int32 in the "
+         "compiled step)"),
+        (["train", "--dry-run", *flags, "--seq-len", "256", "-o", "model.moe.experts=16777216"],
+         "jaxpar train: error: model.moe.experts=16777216: experts*capacity=16777216*256="
+         "4294967296 dispatch slots per sequence: must be at most 2147483647 (int32 slot "
+         "indices in the compiled step)"),
+    ]  # fmt: skip
+    for argv, line in cases:
+        assert main(argv) == 2, argv
+        assert capsys.readouterr().err.strip().splitlines() == [line]
+    moe = C.load_model("tiny-moe")
+    V.check_sizes(moe, 2**22 - 1, 256)  # one assignment below int32: accepted
+    moe.moe.experts = 2**20
+    lay = C.LayoutConfig(dp=8, ep=8, tp=1, pp=1, microbatches=1)
+    with pytest.raises(ConfigError, match=r"^layout.ep=8: with model.moe.dispatch='auto' the "
+                       r"exchange can be ragged, which indexes experts\*rows\*capacity="
+                       r"1048576\*8\*256=2147483648 slots"):  # fmt: skip
+        V.check_layout(moe, lay, 64, 256, 8)
+    moe.moe.dispatch = "padded"  # one sequence's slots: 2**28
+    V.check_layout(moe, lay, 64, 256, 8)

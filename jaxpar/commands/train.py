@@ -97,11 +97,15 @@ def build_config(args: argparse.Namespace):
         C.override(cfg, "train.progress", False)
     if args.force:
         C.override(cfg, "train.force", True)
+    seq_stated = args.seq_len is not None
     for item in args.override:
         if "=" not in item:
             raise ConfigError(f"-o {item!r}: expected FIELD=VALUE")
         key, value = item.split("=", 1)
         C.override(cfg, key.strip(), value.strip())
+        seq_stated |= key.strip() == "train.seq_len"
+    if not seq_stated:  # the default fits the model as it ends up (--init-from-hf, -o model.*)
+        cfg.train.seq_len = C.default_seq_len(cfg)
     return cfg
 
 

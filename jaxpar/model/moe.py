@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -98,11 +97,9 @@ class Routing(NamedTuple):
 
 
 def capacity(cfg: ModelConfig, seq_len: int) -> int:
-    """Slots per expert per sequence: ``S`` dropless, else ``ceil(c·k·S/E)`` (at most S)."""
-    e = cfg.moe
-    if e.capacity_factor == 0:
-        return seq_len
-    return min(seq_len, math.ceil(e.capacity_factor * e.top_k * seq_len / e.experts))
+    """Slots per expert per sequence: ``S`` dropless, else ``ceil(c·k·S/E)`` (at most S; the
+    rule is :meth:`jaxpar.config.MoeConfig.capacity`, which validation reads without JAX)."""
+    return cfg.moe.capacity(seq_len)
 
 
 def route(cfg: ModelConfig, logits_BxSxE: jax.Array, bias_E: jax.Array, c: int) -> Routing:

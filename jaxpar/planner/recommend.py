@@ -118,6 +118,8 @@ def check_workload(cfg: C.RunConfig) -> Shape:
         raise ConfigError(
             f"train.seq_len={shape.seq}: must be <= model.max_seq_len={cfg.model.max_seq_len}"
         )
+    # int32 sizes no layout changes: one line here, not "no valid layout" after the search
+    V.check_sizes(cfg.model, shape.global_batch, shape.seq)
     return shape
 
 
@@ -142,11 +144,16 @@ def rank_layouts(cfg: C.RunConfig) -> Ranking:
 
 def workload_sources(cfg: C.RunConfig, given: dict[str, str] | None = None) -> dict[str, str]:
     """Where each workload figure came from: 'command line' (``given``), 'mesh file' (its
-    ``train:`` section) or 'default' (jaxpar's training defaults)."""
+    ``train:`` section), 'model max_seq_len' (the mesh file's or the default sequence cut to
+    the model's context, :func:`jaxpar.config.default_seq_len`) or 'default' (jaxpar's
+    training defaults)."""
     out = {}
     for key in ("global_batch", "seq_len"):
         src = (given or {}).get(key)
         out[key] = src or ("mesh file" if key in (cfg.mesh.train or {}) else "default")
+    stated = cfg.mesh.train.get("seq_len", C.TrainConfig.seq_len)
+    if "seq_len" not in (given or {}) and cfg.train.seq_len == cfg.model.max_seq_len < stated:
+        out["seq_len"] = "model max_seq_len"
     return out
 
 
@@ -157,6 +164,12 @@ def _assumed(cfg: C.RunConfig, sources: dict[str, str], best: S.Candidate | None
         for k, v in sources.items()
         if v == "default"
     ]
+    if sources.get("seq_len") == "model max_seq_len":
+        stated = cfg.mesh.train.get("seq_len", C.TrainConfig.seq_len)
+        out.append(
+            f"train.seq_len={cfg.train.seq_len} (model.max_seq_len; mesh {cfg.mesh.name!r} "
+            f"plans {stated}, longer than the model's context)"
+        )
     return out + (list(best.cost.assumed) if best else [])
 
 
