@@ -7,11 +7,14 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
 * One ``lax.scan`` over the ticks of a :class:`~jaxpar.pipeline.tables.TickTable` (compile
   time does not depend on ``m``), carrying a :class:`Carry`. A tick runs a **backward phase**
   (idle, ``B``, ``I``, ``W``, or ``FB``: the last stage's forward and backward of one
-  micro-batch) and sends its input cotangent, then a **forward phase** (idle or ``F``) and sends
-  its activation. The backward goes first: its stash slot is free by the time the forward's
-  stash exists. The forward's parameters and input wait behind the backward and its send
-  (:meth:`_Program._behind`: one order of collectives on every device). Each phase is one
-  ``lax.switch``/``lax.cond`` on the rank's row; the backward is explicit
+  micro-batch) and starts the send of its input cotangent, then a **forward phase** (idle or
+  ``F``) while that send is in flight, then sends its activation once the cotangent has
+  arrived. The backward goes first: its stash slot is free by the time the forward's stash
+  exists. The forward's parameters and input wait behind the backward
+  (:meth:`_Program._behind`); where the forward runs collectives of its own (tp, sp, ep,
+  ZeRO-3) they wait behind the cotangent's send too, as every send did before (one order of
+  collectives on every device). Each phase
+  is one ``lax.switch``/``lax.cond`` on the rank's row; the backward is explicit
   (:mod:`jaxpar.pipeline.stage`): never autodiff through a switch.
 * **Nothing replicated that one rank uses**: stage 0 embeds each micro-batch's tokens in its
   forward and takes the embedding's gradient in its backward; the last stage runs the head and
@@ -22,8 +25,16 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
   read-only and are written after it, in place in the carry, each write ordered after the reads
   by a data dependency. (A buffer that passes through a switch is copied by XLA's CPU compile
   in every branch, jax-ml/jax#38145; an unordered in-place write is copied twice.)
-* **Sends only where the table sends**: per :class:`~jaxpar.pipeline.step_tables.SendRoute`,
-  each tick runs one collective-permute with exactly that tick's pairs, or none.
+* **Sends**: per :class:`~jaxpar.pipeline.step_tables.SendRoute` (message kind and ring
+  direction) one collective-permute per tick, with exactly that tick's pairs, or none (a
+  ``lax.switch`` over the route's pair sets). A collective-permute inside a switch branch
+  starts and completes inside it, with nothing to overlap: XLA:GPU ran every pipeline send
+  synchronously. So, where the stage's forward runs no collective of its own, one cotangent
+  route (``every_tick``, where it gains: not GPipe's) runs every tick with every pair the
+  route ever uses, outside any conditional, in flight during the forward phase, and a
+  receiver files only what the table sends it. The price: that cotangent crosses each of the
+  route's links every tick, not only on the ticks the table sends (wire bytes;
+  :mod:`jaxpar.planner.pipe` counts them), and memory by XLA:GPU's schedule (BENCHMARKS.md).
 * Weight gradients accumulate per local chunk, unreduced over dp (ZeRO-2: reduce-scattered per
   micro-batch by :attr:`PipelineModel.reduce`); the caller reduces them once after the schedule.
 
@@ -66,13 +77,16 @@ class PipelineModel:
 
     ``embed(embed_params, tokens_BxS) -> x``; ``head_loss(head_params, y, targets) -> loss``;
     ``reduce[k](g)``: the per-micro-batch reduction of chunk-gradient leaf ``k`` (ZeRO-2's
-    reduce-scatter; identity otherwise), in the order of the chunk tree's leaves.
+    reduce-scatter; identity otherwise), in the order of the chunk tree's leaves;
+    ``forward_collectives``: whether a stage's forward (or the head) runs collectives of its
+    own (tp, sp, ep, ZeRO-3 gathers): the cotangent's send then completes before it starts.
     """
 
     pieces: StagePieces
     embed: Callable[[Any, jax.Array], jax.Array]
     head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
     reduce: tuple[Callable[[jax.Array], jax.Array], ...]
+    forward_collectives: bool = True
 
 
 def run_local(tables: StepTables, model: PipelineModel, local: Any, embed_params: Any,
@@ -116,6 +130,13 @@ class _Program:
         x0 = jax.eval_shape(model.embed, params.embed, tokens[0])
         self.dtype, self.msg0 = x0.dtype, jnp.zeros(x0.shape, x0.dtype)
         self.stage = Stage(model.pieces, self.chunk(0), self.msg0)
+        # The cotangent's send in flight during the forward phase: where the tables send a
+        # route every tick (not GPipe's: its barriers would only cost memory, 0.9 GiB on the
+        # pp4-gpipe row at 8 layers) and the stage's forward runs no collective of its own.
+        # With one, XLA:CPU could meet the two in different orders on its device threads
+        # (_behind), and XLA:GPU placed no compute beside the send anyway (llama2-70b's
+        # production layout, tp 8: the send's window empty, 16% more pp bytes exposed).
+        self.overlap = not model.forward_collectives and any(r.every_tick for r in tables.sends)
         leaves, self.tree = jax.tree.flatten(self.chunk(0))
         self.acc_shapes = [jax.eval_shape(r, x) for r, x in zip(model.reduce, leaves, strict=True)]
         self.embed_shapes = self._embed_grad_shapes() if self.train else None
@@ -270,11 +291,16 @@ class _Program:
     # ---- the tick ---------------------------------------------------------------------------
 
     def send(self, message: str, value: jax.Array, xs: TickIn) -> dict[int, jax.Array]:
-        """Arrivals per receive channel: per route one collective-permute with exactly this
-        tick's pairs, or none."""
+        """Arrivals per receive channel, per route one collective-permute (module docstring):
+        of all the route's pairs every tick (a cotangent route the tables pick), else with
+        exactly this tick's pairs, or none."""
         out = {CHANNEL_OF_SEND[SEND_LOCAL]: value}  # the local hop
         for k, (route, weights) in enumerate(zip(self.tables.sends, self.w.sends, strict=True)):
             if route.message != message:
+                continue
+            if route.every_tick and self.overlap:  # in flight during the forward
+                arrival = jax.lax.ppermute(value, "pp", list(route.pairs))
+                out[CHANNEL_OF_SEND[route.direction]] = arrival
                 continue
             perms = [jnp.zeros_like] + [
                 lambda x, ps=ps: jax.lax.ppermute(x, "pp", list(ps)) for ps in route.pair_sets
@@ -286,11 +312,15 @@ class _Program:
         return out
 
     def tick(self, c: Carry, xs: TickIn) -> tuple[Carry, None]:
-        """One scan step: backward phase, its send, forward phase, its send, the writes."""
+        """One scan step: backward phase, its send started, forward phase, the cotangent's
+        arrival, the activation's send, the writes."""
         row, bo, after, prog = xs.row, None, 0, self
         if self.train:
             bo, arr_grad = self._backward_phase(c, xs)
-            prog, (bo, arr_grad) = self._behind(bo, arr_grad)
+            if self.overlap:  # the send in flight while the forward computes
+                prog, (bo,) = self._behind(bo)
+            else:
+                prog, (bo, arr_grad) = self._behind(bo, arr_grad)
             after = ops.zero_after(bo.dx)  # the forward (and its slot writes) after the backward
         # The stash and taps slots this tick's forward fills; an idle forward hands back what
         # they hold (ops.put_all writes them either way).
@@ -298,6 +328,16 @@ class _Program:
                            row.f_taps + after) if self.train else None  # fmt: skip
         fo = cond(row.f_kind == F_RUN, prog.f_fwd, prog.f_idle, self.w.forward, xs,
                    ops.slot(c.act, row.f_in + after), kept)  # fmt: skip
+        if self.train and self.overlap:
+            # All that follows the forward (the activation's send, its writes) waits for the
+            # cotangent's arrival. The two sends then run in one order on every device (on
+            # XLA:CPU never both waiting at once), and the forward is the one thing XLA:GPU's
+            # scheduler can place in the send's window: it closes a window once its latency
+            # estimate is covered, costs a conditional's compute as nothing, and otherwise
+            # filled the window with the tick's writes and started the send after the forward.
+            # The backward's outputs stay out of it: held across the forward they cost 3.3 GiB
+            # on the pp4-1f1b row (BENCHMARKS.md).
+            fo, arr_grad = jax.lax.optimization_barrier((fo, arr_grad))
         arr_act = self.send("act", fo.y, xs)
         loss = fo.loss + bo.loss if self.tables.has_fb else fo.loss  # FB's loss: backward's
         c = dataclasses.replace(c, loss=c.loss + loss, stats=self._add_stats(c.stats, row, fo, bo))
@@ -307,13 +347,15 @@ class _Program:
         return dataclasses.replace(c, act=act), None
 
     def _behind(self, *done):
-        """This program with parameters that exist only once ``done`` (the backward phase and
-        its send) does, and ``done``. Without it the forward's collectives (ZeRO-3 gathers, ring
-        attention's all-to-alls) could start while the backward's were still being issued, in
-        different orders on different devices: XLA's CPU runtime runs independent work
-        concurrently and a device blocked in a rendezvous holds its thread (dp 2 × sp 2 × pp 2,
-        ring, ZeRO-3: 3 of 7 runs aborted; behind the barrier 0 of 3). The price: the
-        cotangent's send no longer overlaps the forward (BENCHMARKS.md)."""
+        """This program with parameters that exist only once ``done`` (the backward phase, and
+        its send where the forward has collectives of its own) does, and ``done``.
+        Without it the forward's collectives (ZeRO-3 gathers, ring attention's all-to-alls)
+        could start while the backward's were still being issued, in different orders on
+        different devices: XLA's CPU runtime runs independent work concurrently and a device
+        blocked in a rendezvous holds its thread (dp 2 × sp 2 × pp 2, ring, ZeRO-3: 3 of 7 runs
+        aborted; behind the barrier 0 of 3). A forward without collectives meets none, so
+        there the cotangent's send stays out of the barrier: it is in flight during the
+        forward phase (BENCHMARKS.md, "Pipeline memory and sends in flight")."""
         prog = copy.copy(self)
         prog.params, done = jax.lax.optimization_barrier((self.params, done))
         return prog, done

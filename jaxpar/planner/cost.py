@@ -196,8 +196,11 @@ def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0) -> tuple:
     if lay.pp == 1:
         return None, 0.0, []
     layers = model.n_layers // lay.pp
+    from jaxpar.pipeline.step_tables import stage_collectives
+
+    every_tick = ex.lockstep and not stage_collectives(lay.tp, lay.sp, lay.ep, lay.zero)
     pf = figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, ex.lockstep,
-                 memory=lay.pipeline_memory)  # fmt: skip
+                 memory=lay.pipeline_memory, every_tick=every_tick)  # fmt: skip
     f_stage = layers * lt.forward + moe_fwd
     bubble = max(0.0, (pf.makespan - pf.busy) * f_stage)
     tick = f_stage / lay.virtual  # one chunk's forward: the compute beside a send

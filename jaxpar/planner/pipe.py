@@ -72,20 +72,29 @@ def schedule_error(kind: str, p: int, m: int, v: int, memory: str = "fast") -> s
 
 
 @lru_cache(maxsize=1024)
-def _table(kind: str, p: int, m: int, v: int, memory: str) -> tuple:
+def _table(kind: str, p: int, m: int, v: int, memory: str, every_tick: bool) -> tuple:
     """The schedule and what depends only on its order: ticks, sends, peaks, slots."""
     import numpy as np
 
     from jaxpar.pipeline.schedules import make_schedule
-    from jaxpar.pipeline.tables import SEND_LOCAL, SEND_NONE, build_table
+    from jaxpar.pipeline.step_tables import StepTables
+    from jaxpar.pipeline.tables import SEND_LOCAL, SEND_NONE
     from jaxpar.pipeline.timing import stats
 
-    sched = make_schedule(kind, p, m, v, memory)
-    table = build_table(sched)
+    tables = StepTables(make_schedule(kind, p, m, v, memory), p * v)
+    sched, table = tables.schedule, tables.table
     remote = sum(
         ((sends != SEND_NONE) & (sends != SEND_LOCAL)).sum(axis=0)
         for sends in (table.f_send, table.b_send)
     )
+    # A route jaxpar's executor sends every tick (``every_tick``: a lock-step layout whose
+    # stages run no collectives of their own; jaxpar.pipeline.step_tables.SendRoute): from
+    # each of its sources on every tick, not only on the ticks the table sends.
+    codes = {"act": table.f_send, "grad": table.b_send}
+    for route in tables.sends if every_tick else ():
+        if route.every_tick:
+            sent = codes[route.message] == route.direction  # [T, P]
+            remote = remote + sent.any(axis=0) * sent.shape[0] - sent.sum(axis=0)
     slots = (table.slots.act, table.slots.grad, table.slots.cot, table.slots.taps,
              table.slots.dys)  # fmt: skip
     st = stats(sched)
@@ -95,10 +104,10 @@ def _table(kind: str, p: int, m: int, v: int, memory: str) -> tuple:
 
 @lru_cache(maxsize=8192)
 def _measure(kind: str, p: int, m: int, v: int, costs: ActionCosts, lockstep: bool,
-             memory: str) -> tuple:  # fmt: skip
+             memory: str, every_tick: bool) -> tuple:  # fmt: skip
     from jaxpar.pipeline.timing import stats
 
-    sched, ticks, sends, peaks, slots = _table(kind, p, m, v, memory)
+    sched, ticks, sends, peaks, slots = _table(kind, p, m, v, memory, every_tick)
     st = stats(sched, f=1.0, b=costs.b, i=costs.i, w=costs.w)
     makespan = st.lockstep_makespan if lockstep else st.makespan
     return makespan, st.busy_per_rank, ticks, sends, peaks, slots
@@ -114,14 +123,17 @@ def figures(
     lockstep: bool = True,
     exact: bool = False,
     memory: str = "fast",
+    every_tick: bool = False,
 ) -> PipeFigures:
     """Figures of schedule ``kind`` with ``p`` ranks, ``m`` micro-batches, ``v`` chunks per rank.
 
     ``lockstep``: time the tick table as jaxpar's executor runs it; ``False`` gives the
     asynchronous (event-driven) makespan other frameworks approach. ``memory``: the table's
     memory mode (``"lean"``: 1F1B's stashes capped at ``p - r``). ``p == 1``: no pipeline
-    (one stash, no bubble, one tick per micro-batch). Raises :class:`ConfigError` for
-    combinations the library refuses.
+    (one stash, no bubble, one tick per micro-batch). ``every_tick``: jaxpar's executor
+    sends a cotangent route every tick (a layout whose stages run no collectives of their
+    own, :func:`jaxpar.pipeline.step_tables.stage_collectives`). Raises :class:`ConfigError`
+    for combinations the library refuses.
     """
     if p == 1:
         busy = m * (1.0 + costs.b)
@@ -133,10 +145,12 @@ def figures(
     # Timing is piecewise linear in the cost ratios: steps of 0.05 keep the cache small (a
     # search costs thousands of layouts whose ratios differ in the third decimal).
     costs = ActionCosts(*(round(x * 20) / 20 for x in (costs.b, costs.i, costs.w)))
-    makespan, busy, ticks, sends, peaks, slots = _measure(kind, p, m0, v, costs, lockstep, memory)
+    makespan, busy, ticks, sends, peaks, slots = _measure(kind, p, m0, v, costs, lockstep, memory,
+                                                          every_tick)  # fmt: skip
     extra = m - m0
     if extra:
-        mk2, busy2, t2, s2, _, _ = _measure(kind, p, m0 + p, v, costs, lockstep, memory)
+        mk2, busy2, t2, s2, _, _ = _measure(kind, p, m0 + p, v, costs, lockstep, memory,
+                                            every_tick)  # fmt: skip
         periods = extra / p
         makespan += (mk2 - makespan) * periods
         busy += (busy2 - busy) * periods

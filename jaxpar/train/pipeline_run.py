@@ -35,7 +35,7 @@ from jaxpar.model.moe import with_loss
 from jaxpar.pipeline.executor import PipelineModel, run_local
 from jaxpar.pipeline.rest import RestLayout
 from jaxpar.pipeline.stage import StagePieces
-from jaxpar.pipeline.step_tables import StepTables
+from jaxpar.pipeline.step_tables import StepTables, stage_collectives
 from jaxpar.train.context import GradContext, microbatch_split
 from jaxpar.train.reduce import DPReduction
 from jaxpar.train.remat import remat_of
@@ -141,7 +141,9 @@ class PipelineRun:
         # stash holds activations only. Recomputed stages run their layers unchecked.
         policy = remat_of("none" if recompute else remat.name).policy(regather=True, stage=True)
         pieces = StagePieces(layer, policy, recompute, self.tables.split_backward)
-        return PipelineModel(pieces, embed, head_loss, self._reducers())
+        lay = ctx.layout  # whether a stage's forward runs collectives of its own (executor)
+        own = stage_collectives(lay.tp, lay.sp, lay.ep, lay.zero)
+        return PipelineModel(pieces, embed, head_loss, self._reducers(), own)
 
     def _reducers(self) -> tuple:
         """Per chunk-gradient leaf, its per-micro-batch reduction (ZeRO-2's reduce-scatter of
