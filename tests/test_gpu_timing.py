@@ -19,6 +19,7 @@ from test_gpu_compile import _compile, _plugin_or_fail, _report
 from jaxpar import config as C
 from jaxpar.gpu import timing as TM
 from jaxpar.gpu.timing import simulate
+from jaxpar.gpu.trace import chrome_trace
 from jaxpar.planner.collectives import call_time
 from jaxpar.planner.hardware import GENERATIONS, matmul_efficiency
 
@@ -264,7 +265,7 @@ def test_missing_hardware_field_is_named():
 
 def test_chrome_trace_tracks():
     st = simulate(_module(1024, 128, ASYNC), MESH, HW)
-    tr = TM.chrome_trace(st)
+    tr = chrome_trace(st)
     xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
     names = {e["args"]["name"]: e["tid"] for e in tr["traceEvents"] if e["name"] == "thread_name"}
     assert {e["tid"] for e in xs} == {names["compute"], names["collective"]}

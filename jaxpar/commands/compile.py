@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     if args.load is not None:
         return _load(args.load, args.json)
     if args.trace is not None:
-        from jaxpar.gpu.timing import check_trace_path
+        from jaxpar.gpu.trace import check_trace_path
 
         check_trace_path(args.trace, args.force)
     if getattr(args, "timeline", None) is not None:

@@ -137,7 +137,7 @@ def estimate(cfg: RunConfig, c: Compiled, text: str | None = None) -> tuple[dict
 def report(cfg: RunConfig, c: Compiled, trace: str | None = None,
            timeline: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole report (module docstring); ``trace``: write the simulated step there as a
-    Chrome trace (:func:`jaxpar.gpu.timing.write_trace`), recorded as ``trace``; ``timeline``:
+    Chrome trace (:func:`jaxpar.gpu.trace.write_trace`), recorded as ``trace``; ``timeline``:
     draw it there as a PNG Gantt chart (:func:`jaxpar.gpu.timeline.draw_timeline`), recorded
     as ``timeline``."""
     text = c.compiled.as_text()
@@ -167,7 +167,7 @@ def report(cfg: RunConfig, c: Compiled, trace: str | None = None,
         "compile_seconds": c.seconds,
     }
     if trace is not None:
-        from jaxpar.gpu.timing import write_trace
+        from jaxpar.gpu.trace import write_trace
 
         name = f"{cfg.model.name} on {cfg.mesh.name}"
         out["trace"] = {"file": trace, "events": write_trace(trace, step, name)}

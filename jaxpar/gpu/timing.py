@@ -452,9 +452,4 @@ def simulate(
     return out
 
 
-# The trace writers live in jaxpar.gpu.trace (imported here, after StepTime, for callers of
-# this module's names).
-from jaxpar.gpu.trace import check_trace_path, chrome_trace, write_trace  # noqa: E402
-
-__all__ = ["Event", "StepTime", "check_hardware", "check_trace_path", "chrome_trace", "simulate",
-           "write_trace"]  # fmt: skip
+__all__ = ["Event", "StepTime", "check_hardware", "simulate"]

@@ -97,14 +97,16 @@ def _project_bwd(res, dy):
 project.defvjp(_project_fwd, _project_bwd)
 
 
-def column_parallel(x_BxSxD: jax.Array, w_DxN: jax.Array) -> jax.Array:
+def column_parallel(x_BxSxD: jax.Array, w_DxN: jax.Array, matmul=project) -> jax.Array:
     """A column-parallel matmul of the residual stream ``x`` (``w``'s axis 1 on tp):
     :func:`gather_sequence` then :func:`project`; under Megatron-SP (tp > 1) the collective
     matmul instead (:func:`jaxpar.model.collective_matmul.column_parallel`: the all-gather as a
-    ring of sends, each beside the matmul of the chunk that arrived before it)."""
+    ring of sends, each beside the matmul of the chunk that arrived before it). ``matmul``:
+    the plain product used without it (the GELU MLP's is JAX's own, whose residuals the
+    planner's remat terms count)."""
     ax = cm.axes(x_BxSxD.shape[1])
     if ax is None:
-        return project(gather_sequence(x_BxSxD), w_DxN)
+        return matmul(gather_sequence(x_BxSxD), w_DxN)
     # Keeps x's producer (the norm's cast) on the sequence shard, as in gather_sequence.
     return cm.column_parallel(constrain(x_BxSxD, ("batch", "act_seq", "embed")), w_DxN, ax)
 
@@ -304,9 +306,12 @@ class MLP(nnx.Module):
         """``gathered``: ``x`` already has its whole sequence (a MoE block's shared experts,
         which read the router's gathered input): plain column-parallel matmuls on it."""
         dt = x_BxSxD.dtype
+
         # Column-parallel: the all-gather over tp under Megatron-SP overlapped with the matmul
         # (collective matmul, see Attention), else a plain matmul.
-        up = (lambda x, w: project(gather_sequence(x), w)) if gathered else column_parallel
+        def up(x, w, matmul=project):
+            return matmul(gather_sequence(x), w) if gathered else column_parallel(x, w, matmul)
+
         if self.kind == "swiglu":
             # Gate and up fused per TP rank: one matmul, one backward all-reduce over tp.
             rules = active_rules()
@@ -317,7 +322,7 @@ class MLP(nnx.Module):
             b, s, _ = x_BxSxD.shape
             h_BxSxF = (jax.nn.silu(gate) * up_).reshape(b, s, -1)
         else:
-            h_BxSxF = jax.nn.gelu(up(x_BxSxD, weight(self.w_up[...].astype(dt))))
+            h_BxSxF = jax.nn.gelu(up(x_BxSxD, weight(self.w_up[...].astype(dt)), jnp.matmul))
         h_BxSxF = constrain(h_BxSxF, ("batch", "seq", "mlp"))
         # Row-parallel: all-reduce over tp (under SP a reduce-scatter onto sequence shards,
         # overlapped with the matmul as a collective matmul).
