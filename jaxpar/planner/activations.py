@@ -17,13 +17,10 @@ length. Under Megatron-SP the residual stream (block input, norms) is split over
   (bf16) the probabilities' cast, and two fp32 s×s tensors (exp, probabilities) per head;
   ``blockwise``: q, k, v, o and an fp32 log-sum-exp per head. The fused QKV and gate/up
   weights are residuals too (per layer): with ZeRO-3 under GSPMD they are the gathered ones.
-* ``selective`` (``checkpoint_dots`` and the ``PROJECTED`` tag): the matmul outputs — fused
-  QKV, the scores and the attention context (dense; the blockwise kernel is a custom_vjp
-  without a dot of its own, so its forward runs again in the backward), the row-parallel
-  projection's output (the full-width partial sum), gate/up (or the GELU's up) — and the block
-  input. Under Megatron-SP the tp matmuls are collective matmuls (shard_maps around custom
-  VJPs, not dots): only the PROJECTED-tagged fused QKV and gate/up outputs of them are kept;
-  the row-parallel outputs and the GELU's up are recomputed (their rings run again).
+* ``selective`` (``checkpoint_dots``): the matmul outputs — fused QKV, the scores and the
+  attention context (dense; the blockwise kernel is a custom_vjp without a dot of its own, so
+  its forward runs again in the backward), the row-parallel projection's output (split over tp
+  under Megatron-SP, the full-width partial sum without), gate/up — and the block input.
 * ``full``: the block input only.
 * ``offload``: the matmul outputs go to host memory; nothing stays on the device.
 """
@@ -58,13 +55,6 @@ def kv_heads_local(model: ModelConfig, lay: LayoutConfig) -> float:
     shards = lay.tp * (lay.sp if ulysses else 1)
     r = kv_repeat(model.n_heads, model.n_kv_heads, shards) or 1
     return model.n_kv_heads * r / lay.tp
-
-
-def collective_matmul(lay: LayoutConfig, seq: int) -> bool:
-    """Whether the block's tp matmuls are collective matmuls: Megatron-SP with tp > 1 and a
-    sequence that splits over the residual stream's ``act_seq`` axes (``sp`` and ``tp``), as
-    :func:`jaxpar.model.collective_matmul.axes` decides."""
-    return lay.sequence_parallel and lay.tp > 1 and seq % (lay.tp * lay.sp) == 0
 
 
 def block_residuals(
@@ -107,14 +97,9 @@ def block_residuals(
             core = (scores + (lay.sp - 1) * q if ring else kernel_c) + q
         else:
             core = 0.0
-        if collective_matmul(lay, seq):
-            # Megatron-SP's collective matmuls (jaxpar.model.collective_matmul) are shard_maps
-            # around custom VJPs, not dots: the policy keeps neither row-parallel output (the
-            # backward re-runs the out and down rings) nor a column-parallel output that is not
-            # tagged PROJECTED (the GELU MLP's up: re-run too); QKV and gate/up carry the tag.
-            return Residuals(stream + qkv + core + (2 * f if swiglu else 0.0), 0.0, 0.0)
-        # the row-parallel projection's output, a dot, is saved as the partitioned program
-        # holds it: the full-width partial sum
+        # the row-parallel projection's output is saved as the partitioned program holds it:
+        # reduce-scattered over tp under Megatron-SP (XLA:GPU's llama2-70b tp 8 + SP step
+        # stores bf16[80, b, s/8, d]), the full-width partial sum otherwise
         c = stream + qkv + core + stream + (2 if swiglu else 1) * f
         return Residuals(c, 0.0, 0.0)
     if remat != "none":

@@ -50,7 +50,7 @@ from jaxpar.analysis import theory as T
 from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.planner import moe as MOE
-from jaxpar.planner.activations import collective_matmul, kv_heads_local
+from jaxpar.planner.activations import kv_heads_local
 from jaxpar.planner.collectives import call_time, combined_calls
 from jaxpar.planner.frameworks import Executor
 from jaxpar.planner.hardware import crosses_nodes
@@ -120,11 +120,6 @@ def tp_calls(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: S
         # backward: dx's reduce-scatters, dy's all-gathers, and the inputs gathered again
         # (by the full recompute, counted as the forward repeated, when there is one)
         bwd = [scatter, gather] * 2 + ([] if full else [gather] * 2)
-        if lay.remat in ("selective", "offload") and collective_matmul(lay, shape.seq):
-            # the policy keeps no collective matmul's row-parallel output (a shard_map, not a
-            # dot: jaxpar.planner.activations): the attention out ring runs again to rebuild
-            # the residual the MLP's norm reads
-            bwd.append(scatter)
         kind = "all-gather + reduce-scatter (Megatron-SP)"
     else:
         fwd = [("all-reduce", 2 * buf * r)] * 2
