@@ -137,6 +137,18 @@ def test_compile_3d_layout_on_h100_node(tmp_path):
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out["xla_flags"]["applied"]
 
 
+def _mid_model(tmp_path):
+    """The test model at 8 layers of width 512 (context 512), as a model file."""
+    model = tmp_path / "mid.yaml"
+    text = MODEL_YAML
+    for old, new in (("n_layers: 4", "n_layers: 8"), ("d_model: 64", "d_model: 512"),
+                     ("n_heads: 4", "n_heads: 8"), ("d_ff: 128", "d_ff: 1024"),
+                     ("max_seq_len: 64", "max_seq_len: 512")):  # fmt: skip
+        text = text.replace(old, new)
+    model.write_text(text)
+    return model
+
+
 @pytest.mark.parametrize("layout,axis,high", [
     (("--dp", "1", "--tp", "8", "--sequence-parallel"), "tp", 1.12),
     (("--dp", "2", "--tp", "1", "--sp", "4"), "sp", 1.12),
@@ -156,13 +168,7 @@ def test_sequence_layouts_move_what_the_planner_counts(tmp_path, layout, axis, h
     1.18) the backward gathers each row-parallel output's cotangent once (twice before,
     1.38x)."""
     _plugin_or_fail()
-    model = tmp_path / "mid.yaml"
-    text = MODEL_YAML
-    for old, new in (("n_layers: 4", "n_layers: 8"), ("d_model: 64", "d_model: 512"),
-                     ("n_heads: 4", "n_heads: 8"), ("d_ff: 128", "d_ff: 1024"),
-                     ("max_seq_len: 64", "max_seq_len: 512")):  # fmt: skip
-        text = text.replace(old, new)
-    model.write_text(text)
+    model = _mid_model(tmp_path)
     out = _report(_compile(tmp_path, "--model", str(model), "--mesh", "h100-8", "--seq-len",
                            "512", "--pp", "1", *layout, "--json"))  # fmt: skip
     got = out["collectives"][axis]
@@ -182,13 +188,7 @@ def test_sequence_parallel_compiles_to_collective_matmul(tmp_path):
     from jaxpar.analysis.hlo_gpu import async_collectives
     from jaxpar.devices import make_mesh
 
-    model = tmp_path / "mid.yaml"
-    text = MODEL_YAML
-    for old, new in (("n_layers: 4", "n_layers: 8"), ("d_model: 64", "d_model: 512"),
-                     ("n_heads: 4", "n_heads: 8"), ("d_ff: 128", "d_ff: 1024"),
-                     ("max_seq_len: 64", "max_seq_len: 512")):  # fmt: skip
-        text = text.replace(old, new)
-    model.write_text(text)
+    model = _mid_model(tmp_path)
     hlo = tmp_path / "step.hlo"
     out = _report(_compile(tmp_path, "--model", str(model), "--mesh", "h100-8", "--seq-len",
                            "512", "--pp", "1", "--dp", "1", "--tp", "8", "--sequence-parallel",

@@ -20,21 +20,10 @@ COLLECTIVE = "#dd8452"
 
 
 def check_timeline_path(path: str, force: bool) -> None:
-    """Refuse a ``--timeline`` path before compiling: not ``.png``, a missing or unwritable
-    directory, an existing file without ``force`` (one line, :class:`ConfigError`)."""
-    import argparse
+    """:func:`jaxpar.gpu.trace.check_output_path` for ``--timeline`` (a PNG image)."""
+    from jaxpar.gpu.trace import check_output_path
 
-    from jaxpar.commands._checks import writable_file
-    from jaxpar.errors import ConfigError
-
-    if Path(path).suffix.lower() != ".png":
-        raise ConfigError(f"--timeline {path!r}: must end in .png (a PNG image)")
-    try:
-        writable_file(path)
-    except argparse.ArgumentTypeError as e:
-        raise ConfigError(f"--timeline {e}") from None
-    if Path(path).exists() and not force:
-        raise ConfigError(f"--timeline {path!r}: file exists; pass --force to replace it")
+    check_output_path("--timeline", path, ".png", "a PNG image", force)
 
 
 def spans(st: StepTime) -> dict[str, dict[str, list[tuple[float, float]]]]:

@@ -55,19 +55,24 @@ def write_trace(path: str | Path, st: StepTime, name: str = "step") -> int:
     return sum(e["ph"] == "X" for e in tr["traceEvents"])
 
 
-def check_trace_path(path: str, force: bool) -> None:
-    """Refuse a ``--trace`` path before compiling: not ``.json``, a missing or unwritable
-    directory, an existing file without ``force`` (one line, :class:`ConfigError`)."""
+def check_output_path(flag: str, path: str, suffix: str, what: str, force: bool) -> None:
+    """Refuse an output ``path`` of ``flag`` before compiling: not ``suffix``, a missing or
+    unwritable directory, an existing file without ``force`` (one line, :class:`ConfigError`)."""
     import argparse
 
     from jaxpar.commands._checks import writable_file
     from jaxpar.errors import ConfigError
 
-    if Path(path).suffix.lower() != ".json":
-        raise ConfigError(f"--trace {path!r}: must end in .json (Chrome trace JSON)")
+    if Path(path).suffix.lower() != suffix:
+        raise ConfigError(f"{flag} {path!r}: must end in {suffix} ({what})")
     try:
         writable_file(path)
     except argparse.ArgumentTypeError as e:
-        raise ConfigError(f"--trace {e}") from None
+        raise ConfigError(f"{flag} {e}") from None
     if Path(path).exists() and not force:
-        raise ConfigError(f"--trace {path!r}: file exists; pass --force to replace it")
+        raise ConfigError(f"{flag} {path!r}: file exists; pass --force to replace it")
+
+
+def check_trace_path(path: str, force: bool) -> None:
+    """:func:`check_output_path` for ``--trace`` (Chrome trace JSON)."""
+    check_output_path("--trace", path, ".json", "Chrome trace JSON", force)
