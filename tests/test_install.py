@@ -36,7 +36,8 @@ def test_gpu_aot_extra_alone_compiles_cudnn_attention():
         venv = root / "venv"
         _run([sys.executable, "-m", "venv", str(venv)])
         py = str(venv / "bin" / "python")
-        _run([py, "-m", "pip", "install", "-q", "-e", f"{REPO}[gpu-aot]", "pytest"])
+        pip = [py, "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
+        _run([*pip, "-e", f"{REPO}[gpu-aot]", "pytest"])  # no .pyc: the venv lives one test
         # Nothing of torch's CUDA wheels or of this process's environment leaks in.
         listed = _run([py, "-m", "pip", "list", "--format=json"]).stdout
         names = {p["name"].lower() for p in json.loads(listed)}
