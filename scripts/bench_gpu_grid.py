@@ -125,17 +125,23 @@ def row(name: str, timeout: int) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_rows(doc: str, rows: dict, one, timeout: int) -> None:
+    """A grid script's command line: ``--rows`` (names or prefixes) and ``--timeout``; each row's
+    ``one(name, timeout)`` on stderr as it comes (progress), then ``{"rows": [...]}``."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--rows", nargs="*", default=None, help="row names or prefixes (default all)")
-    p.add_argument("--timeout", type=int, default=1200, help="seconds per compile")
+    p.add_argument("--timeout", type=int, default=timeout, help="seconds per compile")
     args = p.parse_args()
-    names = [n for n in ROWS if not args.rows or any(n.startswith(r) for r in args.rows)]
-    rows = []
+    names = [n for n in rows if not args.rows or any(n.startswith(r) for r in args.rows)]
+    out = []
     for n in names:
-        rows.append(row(n, args.timeout))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress, one row a line
-    print(json.dumps({"rows": rows}))
+        out.append(one(n, args.timeout))
+        print(json.dumps(out[-1]), file=sys.stderr, flush=True)  # progress, one row a line
+    print(json.dumps({"rows": out}))
+
+
+def main() -> None:
+    run_rows(__doc__, ROWS, row, 1200)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Reduced depths (``-o model.n_layers=N``) keep each compile under a minute or two
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -28,6 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_gpu_grid import run_rows  # noqa: E402
 
 from jaxpar import config as C  # noqa: E402
 from jaxpar.gpu import lhs  # noqa: E402
@@ -108,16 +110,7 @@ def row(name: str, timeout: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", nargs="*", default=None, help="row names or prefixes (default all)")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per compile")
-    args = p.parse_args()
-    names = [n for n in ROWS if not args.rows or any(n.startswith(r) for r in args.rows)]
-    rows = []
-    for n in names:
-        rows.append(row(n, args.timeout))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(json.dumps({"rows": rows}))
+    run_rows(__doc__, ROWS, row, 600)
 
 
 if __name__ == "__main__":
