@@ -3,9 +3,10 @@
 Hand-written scheduled HLO whose answer is known: a dot of 2·n³ FLOPs costs
 2n³ / (peak · matmul_efficiency(n)) (an n×n×n matmul has the FLOPs per byte of size n), a
 collective what the planner's NCCL model says for its wire bytes, and the simulation must place
-them as XLA:GPU's streams would. One real compile for an 8-GPU target checks ``jaxpar compile
---json``'s ``estimate`` and the ``--trace`` file; bad ``--trace`` paths are refused before
-compiling.
+them as XLA:GPU's streams would; the critical path is the chain of intervals that set the step's
+end (its compute plus its collective seconds are the step). One real compile for an 8-GPU target
+checks ``jaxpar compile --json``'s ``estimate`` and the ``--trace`` file; bad ``--trace`` paths
+are refused before compiling.
 """
 
 import dataclasses
@@ -80,6 +81,17 @@ ENTRY %main (a: bf16[{n},{n}], b: bf16[{n},{n}], w: bf16[{rows},1024]) -> {out} 
 """
 
 
+def _path(st) -> tuple[float, float, dict[str, int]]:
+    """The critical path's compute and dp seconds and its instructions' executions, after
+    checking that it tiles the step."""
+    cp = st.critical_path
+    assert cp.compute_s + cp.comm_s["total"] == pytest.approx(st.step_s, rel=1e-12)
+    assert set(cp.comm_s) == set(st.exposed_s)  # the same axis keys, "total" included
+    assert cp.comm_s["total"] == pytest.approx(sum(v for k, v in cp.comm_s.items()
+                                                   if k != "total"), rel=1e-12)  # fmt: skip
+    return cp.compute_s, cp.comm_s.get("dp", 0.0), {o.name: o.count for o in cp.top}
+
+
 @pytest.mark.parametrize("n,rows", [(1024, 128), (8192, 128), (2048, 4096)])
 def test_all_gather_window_holds_a_dot(n, rows):
     """Start, dot, done: the dot runs while the gather is in flight; the step waits
@@ -94,6 +106,70 @@ def test_all_gather_window_holds_a_dot(n, rows):
     assert st.hardware_flops == 2.0 * n**3
     streams = {(e.stream, e.kind) for e in st.events}
     assert ("collective", "all-gather") in streams and ("compute", "matmul") in streams
+
+
+@pytest.mark.parametrize("n,rows", [(1024, 128), (8192, 128), (2048, 4096)])
+def test_critical_path_of_a_window(n, rows):
+    """The gather starts with the step and the dot runs under it: when the gather is longer
+    it is the critical path, whole (the dot under it is not on it), though only
+    t_comm − t_dot of it is exposed; when it is shorter the path is the dot alone — a fully
+    hidden collective is not on it."""
+    st = simulate(_module(n, rows, ASYNC), MESH, HW)
+    t_dot, t_comm = _t_dot(n), _t_gather(rows)
+    compute, dp, ops = _path(st)
+    if t_comm > t_dot:
+        assert (compute, ops) == (0.0, {"ags": 1})
+        assert dp == pytest.approx(t_comm, rel=1e-12)
+        assert st.exposed_s["dp"] < dp
+        top = st.critical_path.top[0]
+        assert (top.kind, top.axes, top.seconds) == ("all-gather", "dp", dp)
+    else:
+        assert (dp, ops) == (0.0, {"dot": 1})
+        assert compute == pytest.approx(t_dot, rel=1e-12)
+        assert st.critical_path.top[0].kind == "matmul" and st.critical_path.top[0].axes == ""
+
+
+@pytest.mark.parametrize("op", ["all-gather-start", "all-gather"])
+def test_synchronous_collective_is_on_the_critical_path(op):
+    """A synchronous gather runs on the compute stream before the dot: both are on the path,
+    the gather with its seconds, all of them exposed."""
+    st = simulate(_module(8192, 128, SYNC, op), MESH, HW)
+    compute, dp, ops = _path(st)
+    assert compute == pytest.approx(_t_dot(8192), rel=1e-12)
+    assert dp == pytest.approx(_t_gather(128), rel=1e-12)
+    assert dp == pytest.approx(st.exposed_s["dp"], rel=1e-12)
+    assert ops == {"dot": 1, "ags" if op == "all-gather-start" else "agd": 1}
+
+
+def test_critical_path_follows_the_collective_stream():
+    """Two gathers started back to back share the collective stream: the second starts when
+    the first ends. Each is shorter than the dot under them, together they are longer: the
+    step is t_a + t_b and its path both gathers end to end (the second's predecessor is the
+    first, not the compute stream, which reached its start at once), the dot not on it."""
+    n, ra, rb = 4096, 4096, 2048
+    text = f"""HloModule t, is_scheduled=true, num_partitions=8
+
+{_dot_comp(n)}
+ENTRY %main (a: bf16[{n},{n}], b: bf16[{n},{n}], x: bf16[{ra},1024], y: bf16[{rb},1024]) -> bf16[{n},{n}] {{
+  %a = bf16[{n},{n}]{{1,0}} parameter(0)
+  %b = bf16[{n},{n}]{{1,0}} parameter(1)
+  %x = bf16[{ra},1024]{{1,0}} parameter(2)
+  %y = bf16[{rb},1024]{{1,0}} parameter(3)
+  %sa = (bf16[{ra},1024]{{1,0}}, bf16[{8 * ra},1024]{{1,0}}) all-gather-start(%x), channel_id=1, {GROUP}, {ASYNC}
+  %sb = (bf16[{rb},1024]{{1,0}}, bf16[{8 * rb},1024]{{1,0}}) all-gather-start(%y), channel_id=2, {GROUP}, {ASYNC}
+  %dot = bf16[{n},{n}]{{1,0}} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+  %da = bf16[{8 * ra},1024]{{1,0}} all-gather-done(%sa)
+  %db = bf16[{8 * rb},1024]{{1,0}} all-gather-done(%sb)
+  ROOT %t = (bf16[{n},{n}]{{1,0}}, bf16[{8 * ra},1024]{{1,0}}, bf16[{8 * rb},1024]{{1,0}}) tuple(%dot, %da, %db)
+}}
+"""  # noqa: E501
+    st = simulate(text, MESH, HW)
+    t_a, t_b = _t_gather(ra), _t_gather(rb)
+    assert max(t_a, t_b) < _t_dot(n) < t_a + t_b
+    assert st.step_s == pytest.approx(t_a + t_b, rel=1e-12)
+    compute, dp, ops = _path(st)
+    assert (compute, ops) == (0.0, {"sa": 1, "sb": 1})
+    assert dp == pytest.approx(t_a + t_b, rel=1e-12)
 
 
 @pytest.mark.parametrize("op", ["all-gather-start", "all-gather"])
@@ -189,6 +265,33 @@ def test_pipelined_collective_window_wraps_around_the_loop(n, rows, monkeypatch)
     assert walked.exposed_s["dp"] == pytest.approx(st.exposed_s["dp"], rel=1e-9)
 
 
+@pytest.mark.parametrize("n,rows", [(1024, 128), (8192, 128), (2048, 2048)])
+def test_critical_path_through_a_pipelined_loop(n, rows, monkeypatch):
+    """The loop above, 10 trips. A gather longer than the dot: each done waits for the gather
+    the previous iteration started, and the next starts after the counter's add (~4e-12 s):
+    the path is the 11 gathers end to end and the adds, the dots not on it. A shorter one: the
+    10 dots and adds, then the last gather, which the done after the loop waits for. The
+    iterations added without walking add their stretch of the path: the same path as walking
+    all of them."""
+    trips = 10
+    st = simulate(_loop_module(n, rows, trips), MESH, HW)
+    t_dot, t_comm = _t_dot(n), _t_gather(rows)
+    compute, dp, ops = _path(st)
+    if t_comm > t_dot:
+        assert ops == {"ags0": 1, "i1": trips, "ags": trips}
+        assert compute == pytest.approx(0.0, abs=1e-10)
+        assert dp == pytest.approx((trips + 1) * t_comm, rel=1e-9)
+    else:
+        assert ops == {"dot": trips, "i1": trips, "ags": 1}
+        assert compute == pytest.approx(trips * t_dot, rel=1e-9, abs=1e-10)  # the adds
+        assert dp == pytest.approx(t_comm, rel=1e-12)
+    monkeypatch.setattr(TM._Sim, "reaches_conditional", lambda self, c: True)  # walk all
+    walked = simulate(_loop_module(n, rows, trips), MESH, HW)
+    assert _path(walked)[2] == ops
+    assert walked.critical_path.compute_s == pytest.approx(compute, rel=1e-9, abs=1e-15)
+    assert walked.critical_path.comm_s["dp"] == pytest.approx(dp, rel=1e-9)
+
+
 def test_pipeline_branches_run_as_often_as_the_table_says():
     """A conditional annotated with branch shares [0.25, 0.75] inside a 4-trip loop: the dot
     branch runs 3 times, the empty one once."""
@@ -241,6 +344,7 @@ ENTRY %main (a: {mat}, b: {mat}) -> {state} {{
     assert st.hardware_flops == 3 * 2.0 * n**3
     assert st.compute_s == pytest.approx(3 * _t_dot(n), rel=1e-6)
     assert st.assumptions == []
+    assert _path(st)[2] == {"d": 3, "i1": 4}  # the dot branch three times, the counter four
     unannotated = simulate(text.replace(scope, ""), MESH, HW)  # the slowest branch, each time
     assert unannotated.hardware_flops == 4 * 2.0 * n**3
     assert "no branch counts" in unannotated.assumptions[0]
@@ -255,6 +359,7 @@ def test_done_without_a_traced_start_is_said():
         "1 collective done(s) whose start was not traced (e.g. agd): no wait counted for them"
     ]
     assert st.step_s == pytest.approx(_t_gather(128), rel=1e-9)  # the gather still ends in it
+    assert _path(st) == (0.0, pytest.approx(_t_gather(128), rel=1e-12), {"ags": 1})  # it ends it
 
 
 def test_missing_hardware_field_is_named():
@@ -309,6 +414,10 @@ def test_compile_estimate_and_trace(tmp_path):
     assert est["step_s"] > 0 and est["compute_s"] > 0 and est["planner_step_s"] > 0
     assert set(est["exposed_s"]) >= {"tp", "total"}
     assert est["step_s"] == pytest.approx(est["compute_s"] + est["exposed_s"]["total"], rel=1e-9)
+    cp = est["critical_path"]
+    assert cp["compute_s"] + cp["comm_s"]["total"] == pytest.approx(est["step_s"], rel=1e-9)
+    assert set(cp["comm_s"]) == set(est["exposed_s"]) and 0 < len(cp["top"]) <= TM.TOP_PATH
+    assert cp["comm_s"]["total"] >= est["exposed_s"]["total"]  # a collective on it counts whole
     assert est["step_ratio"] == pytest.approx(est["planner_step_s"] / est["step_s"])
     assert 0 < est["mfu"] < 1
     assert est["tflops_per_device"] == pytest.approx(est["mfu"] * HW.peak_flops_bf16 / 1e12)

@@ -193,6 +193,16 @@ def estimate_lines(est: dict[str, Any]) -> list[str]:
         share = ex[key] / est["step_s"] if est["step_s"] else 0.0
         lines.append(f"  {key:<10} {comm.get(key, 0.0) * 1e3:>10.3f} {ex[key] * 1e3:>11.3f} "
                      f"{share:>8.0%}")  # fmt: skip
+    cp = est.get("critical_path")
+    if cp:  # what set the step's end (jaxpar.gpu.timing): its compute, its collectives per axis
+        on = cp["comm_s"]
+        axes = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in on.items() if k != "total" and v > 0)
+        lines.append(f"critical path: compute {cp['compute_s'] * 1e3:.3f} ms + communication "
+                     f"{on['total'] * 1e3:.3f} ms" + (f" ({axes} ms)" if axes else ""))  # fmt: skip
+        top = [f"{o['name']} ({o['kind']}{' ' + o['axes'] if o['axes'] else ''}) "
+               f"{o['seconds'] * 1e3:.3f} ms in {o['count']}" for o in cp["top"][:3]]  # fmt: skip
+        if top:
+            lines.append("  most of it: " + "; ".join(top))
     if est["tflops_per_device"] is not None:
         lines.append(f"model TFLOP/s per device {est['tflops_per_device']:.1f}, "
                      f"MFU {est['mfu']:.1%} (PaLM model FLOPs: recompute not counted)")  # fmt: skip

@@ -39,12 +39,25 @@ FLOPs (PaLM's convention, :func:`jaxpar.analysis.theory.train_flops_per_token`: 
 not counted), ``hardware_flops`` the FLOPs the program's matmuls and attention kernels do.
 The program is one device's (SPMD); where a pipeline's ranks take different branches, the
 branch counts are the table's averages over ranks.
+
+**Critical path** (:class:`CriticalPath`): the chain of intervals that set the step's end, walked
+back from the event that ends the step along the dependency that set each one's start — a
+kernel or synchronous collective starts when the compute stream's previous interval ends, and
+after a done that waited, that interval is the collective itself; an asynchronous collective
+starts when its start op is reached (the compute stream before it) or, when later, when the
+previous collective of its stream ends. The chain tiles the step: its compute seconds plus its
+collective seconds (per mesh-axis set, the ``exposed_s`` keys) are ``step_s``. A collective on
+it counts whole (its window's compute, hidden under it, is not on the path), so its seconds on
+the path are at least its exposed ones; a collective hidden entirely is not on it. It is built
+while simulating: every interval holds a link to the chain that ends at its start, so the walk
+back is the length of the path, and the loop iterations added without walking (above) add their
+iteration's stretch of each chain once per trip.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -65,6 +78,7 @@ COMPUTE, COLLECTIVE, P2P = "compute", "collective", "p2p"  # jaxpar.gpu.trace.ST
 STREAMS = (COMPUTE, COLLECTIVE, P2P)
 P2P_KINDS = ("collective-permute",)
 MAX_EVENTS = 200_000  # events kept for the trace (the step's figures count all of them)
+TOP_PATH = 10  # instructions listed on the critical path (most seconds first)
 # instructions that carry their operand's value (async handles too)
 _PASS = ("copy", "bitcast", "opt-barrier", "async-update")
 _SYNC = "sync"  # the value of a synchronous collective's start: its done waits for nothing
@@ -85,6 +99,32 @@ class Event:
 
 
 @dataclass
+class PathOp:
+    """One HLO instruction on the critical path, all its executions on it together."""
+
+    name: str  # the HLO instruction
+    kind: str  # "matmul", "attention", "memory" or a collective kind
+    axes: str  # a collective's mesh-axis set ("dp", "dp,tp"); "" for a kernel
+    op_name: str  # JAX's op_name metadata, where the instruction has it
+    seconds: float
+    count: int  # executions on the path (loops run by their trip counts)
+
+
+@dataclass
+class CriticalPath:
+    """What the simulated step's critical path is made of (module docstring):
+    ``compute_s`` + ``comm_s["total"]`` = the step's ``step_s``."""
+
+    compute_s: float
+    comm_s: dict[str, float]  # mesh-axis set -> collective seconds on the path; plus "total"
+    top: list[PathOp]  # the instructions with the most seconds on it, at most TOP_PATH
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compute_s": self.compute_s, "comm_s": dict(self.comm_s),
+                "top": [asdict(op) for op in self.top]}  # fmt: skip
+
+
+@dataclass
 class StepTime:
     """The simulated step (module docstring)."""
 
@@ -99,6 +139,7 @@ class StepTime:
     events: list[Event] = field(default_factory=list)
     events_dropped: int = 0
     assumptions: list[str] = field(default_factory=list)
+    critical_path: CriticalPath | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON ``estimate`` keys (events left out)."""
@@ -111,8 +152,15 @@ class StepTime:
             "model_flops": self.model_flops,
             "tflops_per_device": self.tflops_per_device,
             "mfu": self.mfu,
+            "critical_path": self.critical_path.to_dict() if self.critical_path else None,
             "assumptions": list(self.assumptions),
         }
+
+
+# A critical-path link: (the link before it, what it adds, seconds). What it adds is one
+# execution of an instruction (its name) or, for loop iterations added without walking, the
+# stretch of one iteration as {name: [seconds, executions]}. None is the step's start.
+Link = tuple[Any, "str | dict[str, list[float]]", float] | None
 
 
 @dataclass
@@ -120,6 +168,7 @@ class _Handle:
     end: float
     axes: tuple[str, ...]
     name: str
+    path: Link = None  # the critical path to the collective's end
 
 
 def _key(axes: tuple[str, ...]) -> str:
@@ -148,6 +197,9 @@ class _Sim:
         self.colls: dict[tuple[str, str], Any] = {}
         self.next_handle = 0
         self.unmatched: set[str] = set()
+        self.path: Link = None  # the critical path to the compute stream's clock
+        self.free_path: dict[str, Link] = dict.fromkeys(STREAMS)  # ... to each stream's free
+        self.info: dict[str, tuple[str, str, str]] = {}  # name -> kind, axes ("" kernel), op
 
     # --------------------------------------------------------------------------- bookkeeping
 
@@ -158,15 +210,17 @@ class _Sim:
             self.dropped += 1
 
     def snapshot(self):
-        handles = {k: _Handle(h.end, h.axes, h.name) for k, h in self.handles.items()}
+        handles = {k: _Handle(h.end, h.axes, h.name, h.path) for k, h in self.handles.items()}
         return (self.t, dict(self.free), handles, dict(self.exposed), dict(self.comm),
                 self.compute_s, self.flops, len(self.events), self.dropped,
-                {k: list(v) for k, v in self.taken.items()})  # fmt: skip
+                {k: list(v) for k, v in self.taken.items()}, self.path,
+                dict(self.free_path))  # fmt: skip
 
     def restore(self, s) -> None:
         (self.t, self.free, self.handles, self.exposed, self.comm, self.compute_s, self.flops,
-         n, self.dropped, self.taken) = s  # fmt: skip
-        self.handles = {k: _Handle(h.end, h.axes, h.name) for k, h in self.handles.items()}
+         n, self.dropped, self.taken, self.path, self.free_path) = s  # fmt: skip
+        self.handles = {k: _Handle(h.end, h.axes, h.name, h.path) for k, h in self.handles.items()}
+        self.free_path = dict(self.free_path)
         del self.events[n:]
 
     def reaches_conditional(self, comp: str) -> bool:
@@ -221,6 +275,9 @@ class _Sim:
         om = re.search(r'op_name="([^"]*)"', ins.attrs)
         self.emit(Event(ins.name, COMPUTE, self.t, k.seconds, k.kind,
                         op_name=om.group(1) if om else "", loop="/".join(self.loops)))  # fmt: skip
+        if ins.name not in self.info:
+            self.info[ins.name] = (k.kind, "", om.group(1) if om else "")
+        self.path = (self.path, ins.name, k.seconds)  # it starts where the stream's last ended
         self.t += k.seconds
         self.compute_s += k.seconds
         self.flops += k.flops
@@ -256,6 +313,7 @@ class _Sim:
                 return True
             hd = self.handles.pop(h)
             if hd.end > self.t:
+                self.path = hd.path  # the wait ends when the collective does
                 wait = hd.end - self.t
                 self.exposed[_key(hd.axes)] = self.exposed.get(_key(hd.axes), 0.0) + wait
                 self.emit(Event("wait " + hd.name, COMPUTE, self.t, wait, "wait", hd.axes,
@@ -277,15 +335,22 @@ class _Sim:
         end = begin + tr.seconds
         self.emit(Event(ins.name, stream, begin, tr.seconds, kind, tr.axes,
                         om.group(1) if om else "", "/".join(self.loops)))  # fmt: skip
+        if ins.name not in self.info:
+            self.info[ins.name] = (kind, key, om.group(1) if om else "")
+        # it waited for the compute stream to reach its start, or for its stream to be free
+        after = self.path if sync or self.t >= self.free[stream] else self.free_path[stream]
+        link = (after, ins.name, tr.seconds)
         if sync:
             self.exposed[key] = self.exposed.get(key, 0.0) + tr.seconds
             self.t = end
+            self.path = link
             env[ins.name] = _SYNC
         else:
             self.free[stream] = end
+            self.free_path[stream] = link
             self.next_handle += 1
             h = self.next_handle
-            self.handles[h] = _Handle(end, tr.axes, ins.name)
+            self.handles[h] = _Handle(end, tr.axes, ins.name, link)
             env[ins.name] = h
         return True
 
@@ -353,12 +418,14 @@ class _Sim:
             self.loops.append(f"{ins.name}[{i}]")
             t0, ex0, cm0, c0, f0, e0 = (self.t, dict(self.exposed), dict(self.comm),
                                         self.compute_s, self.flops, len(self.events))  # fmt: skip
+            links0 = self._links(state)
             state = self.run(body, [state])
             self.loops.pop()
             i += 1
             cur = (self._signature(state), self.t - t0)
             if steady and prev is not None and i < n and _same(prev, cur):
                 self._repeat(n - i, t0, ex0, cm0, c0, f0, e0, state, (ins.name, i - 1))
+                self._repeat_paths(n - i, links0, state)
                 break
             prev = cur
         return state
@@ -394,6 +461,95 @@ class _Sim:
                 self.handles[v].end += r * dt
 
         shift(state)
+
+    def _live(self, state: Any) -> list[_Handle]:
+        """The in-flight collectives in ``state``, in :meth:`_signature`'s order."""
+        out: list[_Handle] = []
+
+        def walk(v: Any) -> None:
+            if isinstance(v, list):
+                for x in v:
+                    walk(x)
+            elif isinstance(v, int) and v in self.handles:
+                out.append(self.handles[v])
+
+        walk(state)
+        return out
+
+    def _links(self, state: Any) -> list[Link]:
+        """Where the critical paths a loop iteration can extend stand: the compute clock's, each
+        stream's, each in-flight collective's of the loop state."""
+        return [self.path, *(self.free_path[s] for s in STREAMS),
+                *(h.path for h in self._live(state))]  # fmt: skip
+
+    def _repeat_paths(self, r: int, before: list[Link], state: Any) -> None:
+        """The critical paths after ``r`` more iterations like the last one, which turned the
+        links ``before`` into the present ones: each present link is one of ``before`` plus the
+        stretch the iteration added, and each further iteration adds that stretch again to the
+        link it extends then."""
+        index: dict[int, int] = {}
+        for j, link in enumerate(before):
+            index.setdefault(id(link), j)
+        now = self._links(state)
+        grow: list[tuple[int | None, Link, dict[str, list[float]] | None, float]] = []
+        for link in now:
+            stretch: dict[str, list[float]] = {}
+            dur, x = 0.0, link
+            while x is not None and id(x) not in index:  # back to where the iteration began
+                x, what, s = x
+                dur += s
+                _add(stretch, what, s)
+            j = index.get(id(x))  # None: a link from before the loop, kept as it is
+            grow.append((j, x, stretch or None, dur))
+        for _ in range(r):
+            now = [(now[j] if j is not None else x) if stretch is None else
+                   ((now[j] if j is not None else x), stretch, dur)
+                   for j, x, stretch, dur in grow]  # fmt: skip
+        self.path = now[0]
+        for k, s in enumerate(STREAMS):
+            self.free_path[s] = now[1 + k]
+        for h, link in zip(self._live(state), now[1 + len(STREAMS) :], strict=True):
+            h.path = link
+
+    def critical_path(self, end: Link, exposed_keys: list[str]) -> CriticalPath:
+        """Walk ``end`` back to the step's start (module docstring)."""
+        got: dict[str, list[float]] = {}
+        while end is not None:
+            end, what, s = end
+            _add(got, what, s)
+        comm = dict.fromkeys(exposed_keys, 0.0)
+        compute = 0.0
+        ops = []
+        for name, (s, count) in got.items():
+            kind, axes, op_name = self.info[name]
+            if axes:
+                comm[axes] = comm.get(axes, 0.0) + s
+            else:
+                compute += s
+            ops.append(PathOp(name, kind, axes, op_name, s, int(round(count))))
+        comm = dict(sorted(comm.items()))
+        comm["total"] = sum(comm.values())
+        top = sorted(ops, key=lambda o: -o.seconds)[:TOP_PATH]
+        return CriticalPath(compute, comm, top)
+
+
+def _add(into: dict[str, list[float]], what: str | dict[str, list[float]], s: float) -> None:
+    """Add one link's contents (an execution, or a repeated stretch) to ``into``."""
+    if isinstance(what, str):
+        got = into.get(what)
+        if got is None:
+            into[what] = [s, 1]
+        else:
+            got[0] += s
+            got[1] += 1
+    else:
+        for name, (sec, count) in what.items():
+            got = into.get(name)
+            if got is None:
+                into[name] = [sec, count]
+            else:
+                got[0] += sec
+                got[1] += count
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -437,14 +593,17 @@ def simulate(
         names = sorted(sim.unmatched)
         sim.assumptions.append(f"{len(names)} collective done(s) whose start was not traced "
                                f"(e.g. {names[0]}): no wait counted for them")  # fmt: skip
+    end = sim.path
     for h in sim.handles.values():  # a collective the step never waits for still ends in it
-        sim.t = max(sim.t, h.end)
+        if h.end > sim.t:
+            sim.t, end = h.end, h.path
     exposed = dict(sorted(sim.exposed.items()))
     exposed["total"] = sum(sim.exposed.values())
     comm = dict(sorted(sim.comm.items()))
     comm["total"] = sum(sim.comm.values())
     out = StepTime(sim.t, sim.compute_s, exposed, comm, sim.flops, events=sim.events,
-                   events_dropped=sim.dropped, assumptions=sim.assumptions)  # fmt: skip
+                   events_dropped=sim.dropped, assumptions=sim.assumptions,
+                   critical_path=sim.critical_path(end, list(sim.exposed)))  # fmt: skip
     if model_flops is not None and sim.t > 0:
         out.model_flops = model_flops
         out.tflops_per_device = model_flops / sim.t / 1e12
@@ -452,4 +611,4 @@ def simulate(
     return out
 
 
-__all__ = ["Event", "StepTime", "check_hardware", "simulate"]
+__all__ = ["CriticalPath", "Event", "PathOp", "StepTime", "check_hardware", "simulate"]
