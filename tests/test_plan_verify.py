@@ -4,6 +4,7 @@ The compile runs in a subprocess (XLA reads ``XLA_FLAGS`` once per process). It 
 CUDA plugin, which the ``test`` extra installs: without it the test fails saying so.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -53,6 +54,10 @@ def test_verify_compiles_the_recommendation_for_the_pod(tmp_path):
     assert row["ratio"] == pytest.approx(row["compiled_bytes"] / row["predicted_bytes"])
     assert row["fits"] is True and out["verified_pick"] == 1
     assert 0.0 <= row["exposed_share"] <= 1.0 and row["compile_s"] > 0
+    # the program's simulated step beside the planner's (jaxpar.gpu.timing)
+    assert row["step_s"] > 0 and row["planner_step_s"] > 0
+    assert row["step_ratio"] == pytest.approx(row["planner_step_s"] / row["step_s"])
+    assert row["exposed_s"]["total"] <= row["step_s"]
 
 
 def test_verified_pick_skips_what_the_gpu_program_does_not_fit():
@@ -65,9 +70,36 @@ def test_verified_pick_skips_what_the_gpu_program_does_not_fit():
     assert verified_pick(rows).rank == 3
     text = render(rows)
     assert "does NOT fit" in text and "not compiled: layout.tp=3" in text
-    assert "verified pick: rank 3" in text
+    assert "verified pick (shortest simulated step that fits): rank 3" in text
     assert verified_pick(rows[:2]) is None
     assert "none of the 2 compiled layouts fits" in render(rows[:2])
+
+
+def test_verified_pick_is_the_shortest_simulated_step_not_the_planners_first():
+    """The planner ranks 1 above 2 by an overlap the compiled program does not have; the
+    simulated steps of the compiled programs decide, and the text says by how much."""
+    gib = 2.0**30
+    exp1, exp2 = {"dp": 3.8, "total": 3.8}, {"dp": 0.2, "tp": 0.1, "total": 0.3}
+    rows = [
+        Verified(1, LAYOUT, 50 * gib, 52 * gib, 73.6 * gib, True, 12.0, 0.68, step_s=12.3,
+                 planner_step_s=8.7, exposed_s=exp1, tflops_per_device=150.0),
+        Verified(2, LAYOUT, 55 * gib, 57 * gib, 73.6 * gib, True, 12.0, 0.30, step_s=9.9,
+                 planner_step_s=9.1, exposed_s=exp2, tflops_per_device=186.0),
+        Verified(3, LAYOUT, 75 * gib, 80 * gib, 73.6 * gib, False, 12.0, 0.1, step_s=8.0,
+                 planner_step_s=8.0, exposed_s={"total": 0.0}),
+    ]  # fmt: skip
+    assert verified_pick(rows).rank == 2  # 3 is faster but does not fit
+    assert rows[0].step_ratio == pytest.approx(8.7 / 12.3)
+    assert rows[0].to_dict()["step_ratio"] == pytest.approx(8.7 / 12.3)
+    text = render(rows)
+    assert (
+        "simulated step 12.3 s (planner 8.7 s, ratio 0.71), 150 TFLOP/s; exposed: dp 3.8 s" in text
+    )
+    assert "exposed: dp 0.2 s, tp 0.1 s" in text
+    assert "verified pick (shortest simulated step that fits): rank 2" in text
+    # equal simulated steps: the planner's rank breaks the tie
+    tie = [dataclasses.replace(rows[1], rank=4), dataclasses.replace(rows[1], rank=2)]
+    assert verified_pick(tie).rank == 2
 
 
 def test_verify_refuses_a_cpu_mesh_and_a_given_layout(tmp_path):

@@ -4,9 +4,12 @@ The planner ranks layouts by its own memory and time model (:mod:`jaxpar.planner
 mesh the memory that decides "fits" is the GPU program's, so the first ``N`` ranked layouts are
 compiled for the mesh's target (:func:`jaxpar.gpu.compile.compile_step`, the exact train step
 the trainer would run) and each compiled per-device total is set beside the planner's figure
-and the device's usable memory. The verified pick is the fastest ranked layout whose compiled
-program fits; a planner pick that XLA:GPU says does not fit is never the verified one.
-Nothing runs on a GPU.
+and the device's usable memory, and each program's step is timed by :mod:`jaxpar.gpu.timing`
+(the scheduled module simulated on the mesh file's hardware) beside the planner's step. The
+verified pick is the layout with the shortest **simulated** step among those whose compiled
+program fits: the planner proposes, the compiled program decides. A planner pick that XLA:GPU
+says does not fit is never the verified one, nor one the planner ranks first by an overlap the
+program does not have. Nothing runs on a GPU.
 """
 
 from __future__ import annotations
@@ -34,15 +37,24 @@ class Verified:
     compile_s: float | None = None
     exposed_share: float | None = None  # collective wire bytes with no compute beside them
     refused: str | None = None
+    step_s: float | None = None  # the compiled program's simulated step (jaxpar.gpu.timing)
+    planner_step_s: float | None = None  # the planner's step for the same layout
+    exposed_s: dict[str, float] | None = None  # simulated exposed seconds per mesh axis, total
+    tflops_per_device: float | None = None  # model TFLOP/s per device at the simulated step
 
     @property
     def ratio(self) -> float | None:
         """Compiled over predicted memory."""
         return self.compiled_bytes / self.predicted_bytes if self.compiled_bytes else None
 
+    @property
+    def step_ratio(self) -> float | None:
+        """The planner's step over the compiled program's simulated step."""
+        return self.planner_step_s / self.step_s if self.step_s and self.planner_step_s else None
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of this row (``verified`` in ``jaxpar plan --json``)."""
-        return {**dataclasses.asdict(self), "ratio": self.ratio}
+        return {**dataclasses.asdict(self), "ratio": self.ratio, "step_ratio": self.step_ratio}
 
 
 def verify_ranked(cfg: C.RunConfig, n: int) -> list[Verified]:
@@ -62,7 +74,7 @@ def verify_ranked(cfg: C.RunConfig, n: int) -> list[Verified]:
     target = target_for(cfg.mesh, plug)
     r = rank_layouts(cfg)
     from jaxpar.gpu.compile import apply_flags, compile_step
-    from jaxpar.gpu.report import memory, overlap_share
+    from jaxpar.gpu.report import estimate, memory, overlap_share
 
     flags = apply_flags(list(cfg.mesh.hardware.xla_flags), plug.module)
     out = []
@@ -77,6 +89,7 @@ def verify_ranked(cfg: C.RunConfig, n: int) -> list[Verified]:
             continue
         compiled = compile_step(trial, target, flags)
         mem = memory(trial, compiled)
+        est, _ = estimate(trial, compiled)
         out.append(
             dataclasses.replace(
                 row,
@@ -85,14 +98,21 @@ def verify_ranked(cfg: C.RunConfig, n: int) -> list[Verified]:
                 fits=bool(mem["fits"]),
                 compile_s=compiled.seconds,
                 exposed_share=overlap_share(compiled),
+                step_s=est["step_s"],
+                planner_step_s=est["planner_step_s"],
+                exposed_s=dict(est["exposed_s"]),
+                tflops_per_device=est["tflops_per_device"],
             )
         )
     return out
 
 
 def verified_pick(rows: list[Verified]) -> Verified | None:
-    """The fastest ranked layout whose compiled program fits, or None."""
-    return next((v for v in rows if v.fits), None)
+    """Among the layouts whose compiled program fits, the one with the shortest simulated
+    step (ties: the planner's rank), or None. A row without a simulated step (none was
+    made) ranks after every row with one."""
+    fits = [v for v in rows if v.fits]
+    return min(fits, key=lambda v: (v.step_s is None, v.step_s or 0.0, v.rank), default=None)
 
 
 def render(rows: list[Verified]) -> str:
@@ -113,9 +133,16 @@ def render(rows: list[Verified]) -> str:
             f"{human_bytes(v.usable_bytes)}; exposed collectives {v.exposed_share:.0%}; "
             f"compiled in {v.compile_s:.1f} s"
         )
+        if v.step_s is not None:
+            exposed = ", ".join(f"{k} {s:.3g} s" for k, s in (v.exposed_s or {}).items()
+                                if k != "total" and s >= 1e-4) or "none"  # fmt: skip
+            tf = f", {v.tflops_per_device:.0f} TFLOP/s" if v.tflops_per_device else ""
+            lines.append(f"     simulated step {v.step_s:.4g} s (planner {v.planner_step_s:.4g} s, "
+                         f"ratio {v.step_ratio:.2f}){tf}; exposed: {exposed}")  # fmt: skip
     pick = verified_pick(rows)
     lines.append(
-        f"verified pick: rank {pick.rank}, {X.layout_text(pick.layout)}"
+        f"verified pick (shortest simulated step that fits): rank {pick.rank}, "
+        f"{X.layout_text(pick.layout)}"
         if pick
         else f"verified pick: none of the {len(rows)} compiled layouts fits"
     )
