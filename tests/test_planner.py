@@ -249,20 +249,20 @@ def test_recommendations_validate_and_compile(make_cfg):
 def test_search_draws_through_the_trainers_predicate(monkeypatch):
     """A rule added to validation.check_layout reaches the search without a planner change."""
     real, calls = V.check_layout, []
+    free = plan(C.load("llama2-70b", "a100-64"), top=3)
+    zero, pp = free["layout"]["zero"], free["layout"]["pp"]  # what the rule will forbid
 
-    def no_fsdp(model, lay, *a, **kw):
+    def no_pick(model, lay, *a, **kw):
         calls.append(lay)
-        if lay.zero == 3 or lay.sp > 1:
+        if lay.zero == zero and lay.pp == pp:
             raise C.ConfigError("layout.zero: refused for this test")
         return real(model, lay, *a, **kw)
 
-    free = plan(C.load("llama2-70b", "a100-64"), top=3)
-    assert free["layout"]["zero"] == 3 or free["layout"]["sp"] > 1  # what the rule will forbid
-    monkeypatch.setattr(V, "check_layout", no_fsdp)
+    monkeypatch.setattr(V, "check_layout", no_pick)
     out = plan(C.load("llama2-70b", "a100-64"), top=3)
     assert out["fits"] and calls and out["refused"] > 0
     for s in [out, *out["alternatives"]]:
-        assert s["layout"]["zero"] < 3 and s["layout"]["sp"] == 1
+        assert (s["layout"]["zero"], s["layout"]["pp"]) != (zero, pp)
 
 
 def test_llama2_70b_on_a100_64_and_production_layout():

@@ -90,7 +90,9 @@ def test_gpu_scheduler_memory_pressure_leaves_nothing_overlapped():
     assert not any("memory pressure" in f for f in two.flags)
     z1, z2 = ([c for c in cand.cost.comm if c.label.startswith("ZeRO-3 per-layer")][0]
               for cand in (one, two))  # fmt: skip
-    assert z1.hidden_s == 0 and z2.hidden_s > 0.9 * z2.seconds
+    # under the limit the gathers hide only behind the compute XLA:GPU places beside them
+    # (frameworks.ZERO3_WINDOW): the compiled program exposes 3.76 of 5.62 s (67%)
+    assert z1.hidden_s == 0 and 0.5 < z2.exposed_s / z2.seconds < 0.85
     assert memory_pressure(C.load_mesh("cpu-8").hardware, one.memory) is None
     slack = dataclasses.replace(
         hw, xla_flags=[*hw.xla_flags, "--xla_gpu_memory_limit_slop_factor=190"]
@@ -104,8 +106,10 @@ def test_communication_and_the_mesh_layout_beside_the_pick(capsys):
     out = _last_json(text)
     text = render({**out, "headline": ""})
     assert "the mesh file's own layout: dp=2 tp=8 pp=4" in text and "vs recommended: +" in text
-    # the pick leaves XLA:GPU's scheduler room to overlap (its ZeRO-3 collectives asynchronous)
-    assert out["flags"] is not None and not any("memory pressure" in f for f in out["flags"])
+    # past XLA:GPU's scheduler limit the pick says so, and then hides no data-parallel call
+    assert out["flags"] is not None
+    if any("memory pressure" in f for f in out["flags"]):
+        assert all(c["hidden_s"] == 0 for c in out["communication"] if c["name"] == "dp_comm")
     assert "hidden" in text and "exposed" in text
     for s in (out, out["mesh_layout"]):
         comm = s["communication"]
@@ -290,3 +294,39 @@ def test_priced_calls_move_the_bytes_of_the_stage_theory(zero):
     assert priced == pytest.approx(dp_traffic(model, lay)["total_bytes"], rel=1e-9)
     calls = sum(c.calls for c in cost.comm if c.name == "dp_comm")
     assert calls == (4 * (3 * 4 + 2) if zero == 3 else 4 + 1 if zero == 2 else 1 + (zero > 0))
+
+
+def test_planner_prices_what_the_compiled_gpu_program_overlaps():
+    """On a GPU pod jaxpar's executor hides what its compiled XLA:GPU program hides
+    (frameworks.ZERO3_WINDOW, RING_HIDDEN, reduce_after_backward); published frameworks'
+    executors are untouched."""
+    from jaxpar.planner import frameworks as F
+    from jaxpar.planner import published_runs as PR
+    from jaxpar.planner.search import evaluate
+
+    gpu, cpu = C.load_mesh("h100-8").hardware, C.load_mesh("cpu-8").hardware
+    ex = F.for_target(gpu)
+    assert ex.overlap_dp == F.ZERO3_WINDOW and ex.ring_hidden == F.RING_HIDDEN
+    assert F.for_target(cpu).ring_hidden == 0 and F.for_target(cpu).overlap_dp == 1.0
+    assert F.for_target(gpu, PR.MEGATRON_2022) == PR.MEGATRON_2022
+    model, shape = C.load_model("llama3-8b"), Shape(8, 4096)
+    sp = C.LayoutConfig(dp=1, tp=8, sequence_parallel=True, compute_dtype="bfloat16")
+    (tp,) = [c for c in evaluate(model, gpu, sp, shape).cost.comm if c.name == "tp_comm"]
+    assert tp.hidden_s == pytest.approx(F.RING_HIDDEN * tp.seconds)  # the rings hide a share
+    piped = dataclasses.replace(sp, tp=4, pp=2, microbatches=8)  # no ring hides it in a pipeline
+    (tp,) = [c for c in evaluate(model, gpu, piped, shape).cost.comm if c.name == "tp_comm"]
+    assert tp.hidden_s == 0 and tp.seconds > 0
+    # ZeRO-1: jaxpar reduces the accumulator after the last backward, nothing hides it
+    z1 = C.LayoutConfig(dp=8, zero=1, microbatches=2, compute_dtype="bfloat16")
+    mesh8 = C.load_mesh("a100-64").hardware  # fits: no memory-pressure rule involved
+    grads = [c for c in evaluate(model, mesh8, dataclasses.replace(z1, dp=64), Shape(64, 4096))
+             .cost.comm if c.label.startswith("gradient")]  # fmt: skip
+    assert grads and all(c.hidden_s == 0 for c in grads)
+    mega = [
+        c
+        for c in evaluate(
+            model, mesh8, dataclasses.replace(z1, dp=64), Shape(64, 4096), PR.MEGATRON_2022
+        ).cost.comm
+        if c.label.startswith("gradient")
+    ]
+    assert mega and mega[0].hidden_s > 0  # a framework bucketing during the backward hides it

@@ -14,12 +14,12 @@ compute's length; the rest is exposed and adds to the step.
   XLA:GPU keeps its reduce-scatter). The embedding lookup's one all-reduce per micro-batch is
   not counted. Hidden only by an executor that overlaps them with the matmuls
   (``Executor.overlap_tp``, collective matmuls). jaxpar's step does so under SP since its
-  collective matmul (:mod:`jaxpar.model.collective_matmul`: llama3-8b tp 8 + SP, 2 layers, on
-  h100-8: the rings' sends 85% beside a matmul, 0% ``is_sync``), but ``JAXPAR.overlap_tp``
-  stays 0: the planner still prices them exposed (open). Without SP nothing hides the
-  all-reduces. As compiled by XLA:GPU
-  (llama3-8b, tp 8, per layer): with SP 6 all-gathers and 4 reduce-scatters under none and
-  selective, 6 and 6 under full; without SP 4 all-reduces under none, 5 under full.
+  collective matmul (:mod:`jaxpar.model.collective_matmul`), outside a pipeline: the share
+  of the calls its rings hide in the compiled XLA:GPU program is ``Executor.ring_hidden``
+  (:data:`jaxpar.planner.frameworks.RING_HIDDEN`). Without SP nothing hides the all-reduces.
+  As compiled by XLA:GPU (llama3-8b, tp 8, per layer): with SP 6 all-gathers and 4
+  reduce-scatters under none and selective, 6 and 6 under full; without SP 4 all-reduces under
+  none, 5 under full.
 * **sp**: Ulysses' four all-to-alls per pass, or ring attention's ``sp − 1`` K/V sends; and
   the weight gradients: replicated over sp, each device's are partial sums over its sequence
   shard, which GSPMD all-reduces over sp where the weight-gradient matmuls produce them — per
@@ -32,6 +32,8 @@ compute's length; the rest is exposed and adds to the step.
 * **dp, ZeRO 0-2**: the gradient reduction split into buckets by XLA's combiner thresholds
   (:func:`jaxpar.planner.collectives.combined_calls`), hidden behind one micro-batch's backward
   (ZeRO 0/1 reduce after the last micro-batch; ZeRO-2 after each), the last bucket exposed;
+  for an executor that reduces ZeRO 0/1's accumulator after the last backward
+  (``Executor.reduce_after_backward``, jaxpar) nothing hides it;
   ZeRO 1/2's all-gather of the updated params exposed unless the executor overlaps it with the
   next step's first forward. Hybrid sharding adds an exposed all-reduce across the groups.
 * **ep** (MoE, :mod:`jaxpar.planner.moe`): per MoE layer and micro-batch the dispatch and
@@ -298,6 +300,8 @@ def _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> 
     calls = combined_calls(hw, kind, grads, ex.bucket_bytes)
     wire = grads / calls * r * (2 if lay.zero == 0 else 1)
     window = ex.overlap_dp * layers * b_layer  # one micro-batch's backward
+    if ex.reduce_after_backward and lay.zero < 2:
+        window = 0.0  # one reduction of the accumulator after the last backward
     times = m if lay.zero == 2 else 1
     t = _term(hw, f"gradient {kind} ({calls} bucket{'s' * (calls > 1)})", kind, wire, calls, n,
               stride, window)  # fmt: skip

@@ -130,8 +130,11 @@ def layer_time(
         # no dot of its own) runs again in the backward
         recompute = attn
     tp, sp = CM.tp_calls(model, hw, lay, shape), CM.sp_calls(model, hw, lay, shape)
+    # the collective matmul's rings (Megatron-SP, outside a pipeline: :mod:`frameworks`)
+    ring = ex.ring_hidden if lay.sequence_parallel and lay.tp > 1 and lay.pp == 1 else 0.0
     return LayerTime(compute=compute, matmul=sum(secs) + attn, attention=attn, tp=tp, sp=sp,
-                     efficiency=eff, recompute=recompute, overlap_tp=ex.overlap_tp)  # fmt: skip
+                     efficiency=eff, recompute=recompute, overlap_tp=ex.overlap_tp,
+                     ring_hidden=ring)  # fmt: skip
 
 
 def moe_ffn_delta(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape

@@ -78,6 +78,16 @@ class Executor:
       ``tests/test_planner.py``'s interleaved row). XLA:GPU: 1 (llama3-8b pp 4 × dp 2 on
       h100-8 under full recompute compiles to 1.14x / 1.23x the planner without it
       (interleaved / 1F1B), 1.05x / 1.05x with it; :func:`for_target`).
+    * ``ring_hidden``: share of Megatron-SP's tp all-gather/reduce-scatter time that the
+      collective matmul's ``ppermute`` rings hide behind their chunk matmuls, outside a pipeline
+      (:mod:`jaxpar.model.collective_matmul`; :func:`for_target` sets it from the compiled
+      XLA:GPU program). Unlike ``overlap_tp`` it is a share of the calls, not of the matmuls:
+      what stays exposed is structural (a backward ring step's two sends share one window and
+      XLA:GPU runs one collective-permute at a time), so it scales with the traffic.
+    * ``reduce_after_backward``: ZeRO 0/1 reduce the accumulated gradient after the last
+      micro-batch's backward (jaxpar: one ``psum``/``psum_scatter`` of the accumulator, after a
+      pipeline's last tick too), so nothing in the backward hides it; ``False``: the framework
+      reduces buckets during the backward (Megatron's and DeepSpeed's gradient buckets).
     * ``sp_grads_per_layer``: the weight gradients' partial sums over ``sp`` are all-reduced
       per layer and micro-batch in the compute dtype (jaxpar: GSPMD places them at the weight
       matmuls, :func:`jaxpar.planner.comm.sp_grad_terms`); a framework with context
@@ -107,6 +117,8 @@ class Executor:
     zero3_layers: float = 0.0
     tick_grads: float = 0.0
     sp_grads_per_layer: bool = False
+    ring_hidden: float = 0.0
+    reduce_after_backward: bool = False
 
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""
@@ -125,6 +137,7 @@ JAXPAR = Executor(
     selective_reruns_kernel=True,
     follows_model=True,
     sp_grads_per_layer=True,
+    reduce_after_backward=True,
 )
 
 
@@ -145,18 +158,39 @@ PIPELINED_COLLECTIVES = (
 )
 
 
+# What jaxpar's compiled XLA:GPU programs hide, read by the time model of the scheduled program
+# (jaxpar.gpu.timing, scripts/bench_gpu_grid.py, main at 789a50d, 2026-12-06). Each is calibrated
+# on one grid row and checked on others (BENCHMARKS.md, "The planner held to the program"):
+#
+# ZERO3_WINDOW: the share of a layer's neighbouring compute that hides its ZeRO-3 all-gather /
+# reduce-scatter (Executor.overlap_dp). XLA:GPU splits a layer's packed gather into one
+# collective per weight group and places each just ahead of its consumer, so a window holds
+# about one matmul of the layer's four to six, not the whole layer. Calibrated on llama2-70b
+# dp 32 x tp 2 + SP, 2 micro-batches, a100-64 (the program: 3.76 s of 5.62 s exposed; the
+# planner at 0.2: 3.72 s); checked on llama3-8b dp 8 ZeRO-3, h100-8 (program 0.019 s exposed,
+# planner 0.047 s, step 0.497 vs 0.482 s).
+ZERO3_WINDOW = 0.2
+# RING_HIDDEN: Executor.ring_hidden. Calibrated on llama3-8b tp 8 + SP, h100-8 (0.135 of 0.199 s
+# of ring traffic hidden: 0.68); checked on the 70B pick's tp 2 rings (0.12 of 0.21 s: 0.57).
+# Inside a pipeline the program hides none of it (llama2-70b dp 4 x tp 8 + SP x pp 2, 1F1B:
+# 1.716 of 1.717 s exposed), so it is not applied there.
+RING_HIDDEN = 0.68
+
+
 def for_target(hw, executor: Executor = JAXPAR) -> Executor:
     """``executor`` as XLA compiles jaxpar's step for ``hw`` (a
     :class:`~jaxpar.config.HardwareConfig`): on a GPU whose ``xla_flags`` pipeline the
     all-gather or reduce-scatter, ``zero3_layers`` = 1 (a llama2-70b dp 64 ZeRO-3 step on
     a100-64 compiles to 1.01x the planner with it, 1.08x without; a 4-layer d 512 model over
-    h100-8 1.06x and 1.57x, ``tests/test_gpu_compile.py``). Published frameworks' executors
+    h100-8 1.06x and 1.57x, ``tests/test_gpu_compile.py``); on every GPU the overlap the
+    compiled program has (``ZERO3_WINDOW``, ``RING_HIDDEN``). Published frameworks' executors
     (not ``follows_model``) are returned unchanged."""
     if not executor.follows_model or hw.platform != "gpu":
         return executor
     pipelined = any(f in (hw.xla_flags or ()) for f in PIPELINED_COLLECTIVES)
     return executor.with_(zero3_layers=1.0 if pipelined else executor.zero3_layers,
-                          tick_grads=1.0)  # fmt: skip
+                          tick_grads=1.0, overlap_dp=min(executor.overlap_dp, ZERO3_WINDOW),
+                          ring_hidden=RING_HIDDEN)  # fmt: skip
 
 
 # XLA:GPU's latency-hiding scheduler plans for SCHEDULER_BASE of the device's memory less the

@@ -37,6 +37,7 @@ class LayerTime:
     efficiency: float
     recompute: float = 0.0  # forward work the backward re-runs (remat full: all of it)
     overlap_tp: float = 0.0  # share of the matmuls beside them that hides tp calls
+    ring_hidden: float = 0.0  # share of the tp calls a collective matmul's rings hide
 
     def hidden(self, axis: str, backward: bool = False) -> float:
         """Seconds of the ``axis`` ('tp' or 'sp') calls hidden behind the compute they are
@@ -45,7 +46,8 @@ class LayerTime:
         calls = self.tp if axis == "tp" else self.sp
         secs = calls.bwd_s if backward else calls.fwd_s
         window = (self.matmul if axis == "tp" else self.attention) * (2 if backward else 1)
-        return min(secs, self.overlap_tp * window)
+        ring = self.ring_hidden * secs if axis == "tp" else 0.0
+        return max(min(secs, self.overlap_tp * window), ring)
 
     @property
     def forward(self) -> float:
