@@ -429,8 +429,9 @@ def test_compile_estimate_and_trace(tmp_path):
     assert tids["compute"] in used and (tids["collective"] in used or tids["p2p"] in used)
     assert any(e["args"].get("phase") == "backward" for e in xs)
     assert out["trace"] == {"file": str(trace), "events": len(xs)}
-    waits = sum(e["args"]["kind"] == "wait" for e in xs)
-    assert out["timeline"] == {"file": str(png), "intervals": len(xs) + waits}
+    kernels = ("matmul", "attention", "memory")  # the rest of the compute stream is exposed
+    exposed = sum(e["tid"] == tids["compute"] and e["args"]["kind"] not in kernels for e in xs)
+    assert out["timeline"] == {"file": str(png), "intervals": len(xs) + exposed}
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -458,21 +459,52 @@ def test_matmul_ceiling_is_the_published_measurement(mesh, ceiling):
 
 def test_timeline_marks_the_exposed_wait(tmp_path):
     """The Gantt chart of a step whose all-gather outlasts its dot: a PNG, every simulated
-    interval drawn, the exposed row exactly the compute stream's wait."""
+    interval drawn, the exposed row exactly the compute stream's wait, under its axis."""
     from jaxpar.gpu.timeline import draw_timeline, spans
 
     st = simulate(_module(1024, 4096, ASYNC), MESH, HW)
     assert st.exposed_s["dp"] > 0
     rows = spans(st)
-    waits = rows["exposed"]["wait"]
+    assert list(rows["exposed"]) == ["dp"]
+    waits = rows["exposed"]["dp"]
     assert len(waits) == 1
     assert waits[0][1] == pytest.approx(st.exposed_s["dp"] * 1e3)
-    assert rows["compute"]["wait"] == waits and "all-gather" not in rows["compute"]
-    assert [k for k in rows["collective"]] == ["collective"]
+    assert rows["compute"]["wait"] == waits and "dp" not in rows["compute"]
+    assert list(rows["collective"]) == ["dp"] and rows["phase"] == {}  # no op names here
     path = tmp_path / "step.png"
     drawn = draw_timeline(path, st, "t")
     assert drawn == len(st.events) + 1  # the wait twice: on the compute row and its own
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_marks_synchronous_collectives_exposed(tmp_path):
+    """A synchronous gather runs on the compute stream: drawn there and on the exposed row,
+    whose bars per axis add up to the step's exposed seconds."""
+    from jaxpar.gpu.timeline import draw_timeline, spans
+
+    st = simulate(_module(8192, 128, SYNC), MESH, HW)
+    rows = spans(st)
+    assert rows["exposed"]["dp"] == rows["compute"]["dp"]
+    assert sum(d for _, d in rows["exposed"]["dp"]) == pytest.approx(st.exposed_s["dp"] * 1e3)
+    assert rows["collective"] == {} and "wait" not in rows["compute"]
+    assert draw_timeline(tmp_path / "step.png", st) == len(st.events) + 1
+
+
+def test_timeline_phase_row():
+    """The phase row: forward/backward from the op names, a wait in the phase of the kernel
+    before it, adjacent stretches of one phase merged."""
+    from jaxpar.gpu.timeline import spans
+
+    def ev(start, kind, op="", axes=()):
+        return TM.Event("e", "compute", start * 1e-3, 1e-3, kind, axes, op_name=op)
+
+    fwd, bwd = "jit(f)/jvp(g)/dot_general", "jit(f)/transpose(jvp(g))/dot_general"
+    st = TM.StepTime(5e-3, 3e-3, {"dp": 2e-3, "total": 2e-3}, {}, 0.0, events=[
+        ev(0, "matmul", fwd), ev(1, "wait", axes=("dp",)), ev(2, "matmul", fwd),
+        ev(3, "matmul", bwd), ev(4, "all-gather", bwd, ("dp",))])  # fmt: skip
+    rows = spans(st)
+    assert rows["phase"] == {"forward": [(0.0, 3.0)], "backward": [(3.0, 2.0)]}
+    assert rows["exposed"] == {"dp": [(1.0, 1.0), (4.0, 1.0)]}
 
 
 @pytest.mark.parametrize("name,why", [

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 STREAMS = ("compute", "collective", "p2p")  # jaxpar.gpu.timing.STREAMS, thread ids in order
 
 
-def _phase(op_name: str) -> str:
+def phase(op_name: str) -> str:
+    """``backward`` or ``forward`` from JAX's ``transpose``/``jvp`` scopes in an op name; ""."""
     if "transpose(" in op_name:
         return "backward"
     if "jvp(" in op_name:
@@ -38,8 +39,8 @@ def chrome_trace(st: StepTime, name: str = "step") -> dict[str, Any]:
             args["axes"] = ",".join(e.axes)
         if e.op_name:
             args["op_name"] = e.op_name
-            if _phase(e.op_name):
-                args["phase"] = _phase(e.op_name)
+            if phase(e.op_name):
+                args["phase"] = phase(e.op_name)
         if e.loop:
             args["loop"] = e.loop
         events.append({"ph": "X", "pid": 0, "tid": tid[e.stream], "name": e.name, "cat": e.kind,
