@@ -17,7 +17,9 @@ collectives, per mesh-axis set, and ``total``), ``comm_s`` (all collective time,
 ``tflops_per_device`` and ``mfu`` (model FLOPs, PaLM's convention: recomputation not counted),
 ``hardware_flops`` (what the program's matmuls and attention kernels do, per device),
 ``planner_step_s`` (``jaxpar plan``'s step time for the same layout), ``step_ratio`` =
-planner / estimate, ``assumptions``.
+planner / estimate, ``critical_path`` (the chain of kernels and collectives that sets the step:
+``compute_s``, ``comm_s`` per mesh-axis set and ``total``, and the ``top`` instructions on it,
+:class:`jaxpar.gpu.timing.CriticalPath`), ``assumptions``.
 """
 
 from __future__ import annotations
