@@ -60,22 +60,32 @@ class ForwardOut:
     stash: Leaves  # what the backward needs ([] in evaluation)
     taps: Leaves  # split backward: the weight matmuls' activation operands
     cot: jax.Array | None  # the head's output cotangent; None when the table has no cot slots
-    d_head: Any  # the head's gradient; None unless a plain F runs the head in training
     stats: Any  # the stage's layers' statistics [Lc, ...]; None when its layers report none
 
 
 @_pytree
 @dataclass(frozen=True)
 class BackwardOut:
-    """What the backward phase returns (every branch the same structure)."""
+    """What the backward phase returns besides the gradients (every branch the same
+    structure); its gradients are added to the :class:`Grads` in the branch itself."""
 
     dx: jax.Array  # the input cotangent to send
-    d_chunk: Any  # this tick's chunk gradient (reduced per micro-batch)
-    d_embed: Any  # the embedding's gradient (stage 0), else zeros
     wpend: Leaves  # what an I files for its W
     loss: jax.Array | None  # FB's loss; None when the table has no FB
-    d_head: Any  # FB's head gradient; None when the table has no FB
     stats: Any  # FB's forward's statistics; None without FB or statistics
+
+
+@_pytree
+@dataclass(frozen=True)
+class Grads:
+    """The gradient accumulators, through the conditionals of the phases that add to them
+    (``None``: one a phase never adds to). The branch that computed a gradient adds it in place
+    (:func:`add_slot`); every other branch, rank and tick hands the buffers back untouched,
+    without a copy (:func:`jaxpar.pipeline.branches.when`) and without a zero gradient."""
+
+    chunks: Any  # chunk-gradient tree [v, Lc, ...]
+    embed: Any  # the embedding's gradient (stage 0 adds to it)
+    head: Any  # the head's gradient (the last stage adds to it)
 
 
 @_pytree
@@ -212,9 +222,19 @@ def fresh(shapes: Any, **given: Any) -> Any:
     return type(shapes)(**out)
 
 
-def accumulate(acc: Any, chunk: jax.Array, d: Any, v: int) -> Any:
-    """Add this tick's chunk gradient (of its B, I, W or FB) to local chunk ``chunk``'s."""
+def add_slot(a: jax.Array, chunk: jax.Array, x: jax.Array, v: int) -> jax.Array:
+    """``a[chunk] += x`` for one ``[v, ...]`` accumulator leaf (in place: one slot read and
+    written)."""
     if v == 1:
-        return jax.tree.map(lambda a, x: a + x[None].astype(a.dtype), acc, d)
-    c = jnp.maximum(chunk, 0)
-    return jax.tree.map(lambda a, x: a.at[c].add(x.astype(a.dtype)), acc, d)
+        return a + x[None].astype(a.dtype)
+    return a.at[jnp.maximum(chunk, 0)].add(x.astype(a.dtype))
+
+
+def accumulate(acc: Any, chunk: jax.Array, d: Any, v: int) -> Any:
+    """Add ``d`` (a tree like one local chunk's) to local chunk ``chunk``'s."""
+    return jax.tree.map(lambda a, x: add_slot(a, chunk, x, v), acc, d)
+
+
+def add(acc: Any, d: Any) -> Any:
+    """``acc + d`` leaf by leaf (``None`` when ``acc`` is)."""
+    return None if acc is None else jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, d)

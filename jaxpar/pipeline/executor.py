@@ -24,7 +24,9 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
   values (:class:`ForwardOut`, :class:`BackwardOut`); the buffers enter the backward's switch
   read-only and are written after it, in place in the carry, each write ordered after the reads
   by a data dependency. (A buffer that passes through a switch is copied by XLA's CPU compile
-  in every branch, jax-ml/jax#38145; an unordered in-place write is copied twice.)
+  in every branch, jax-ml/jax#38145; an unordered in-place write is copied twice.) The
+  gradient accumulators are the exception, and pass through without a copy: only two-branch
+  conditionals, the pass-through branch first (:func:`~jaxpar.pipeline.branches.when`).
 * **Sends**: per :class:`~jaxpar.pipeline.step_tables.SendRoute` (message kind and ring
   direction) one collective-permute per tick, with exactly that tick's pairs, or none (a
   ``lax.switch`` over the route's pair sets). A collective-permute inside a switch branch
@@ -35,6 +37,14 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
   receiver files only what the table sends it. The price: that cotangent crosses each of the
   route's links every tick, not only on the ticks the table sends (wire bytes;
   :mod:`jaxpar.planner.pipe` counts them), and memory by XLA:GPU's schedule (BENCHMARKS.md).
+* **Gradients added where they exist**: the accumulators (:class:`~jaxpar.pipeline.carry.Grads`)
+  enter the conditionals of the phases that add to them, and only the branch that computed a
+  gradient adds it, in place (``B``/``W``/``FB`` to its chunk's slot, ``I`` only its non-dot
+  leaves, stage 0's ``B``/``I`` to the embedding's, the last stage's head to the head's); idle
+  branches and other ranks hand them back untouched, with no zero gradient made
+  (:mod:`jaxpar.pipeline.backward`). Adding every tick's gradient, zeros included, on every
+  rank was the largest memory-bound cost of a pipelined step on XLA:GPU (llama3-8b pp 4 ZB-V:
+  0.55 of 1.39 s of memory-bound kernels).
 * Weight gradients accumulate per local chunk, unreduced over dp (ZeRO-2: reduce-scattered per
   micro-batch by :attr:`PipelineModel.reduce`); the caller reduces them once after the schedule.
 
@@ -56,13 +66,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.pipeline import carry as ops
-from jaxpar.pipeline.branches import FB_BRANCH, cond, switch
+from jaxpar.pipeline.backward import BackwardActions
+from jaxpar.pipeline.branches import FB_BRANCH, cond, switch, when
 from jaxpar.pipeline.carry import (
     BackwardIn,
     BackwardOut,
     Carry,
     ForwardKept,
     ForwardOut,
+    Grads,
     StageParams,
     TickIn,
 )
@@ -115,8 +127,9 @@ def run_local(tables: StepTables, model: PipelineModel, local: Any, embed_params
     return loss, c.acc, c.acc_embed, c.acc_head, c.stats
 
 
-class _Program:
-    """One rank's tick: its branches, sends and writes (see the module docstring)."""
+class _Program(BackwardActions):
+    """One rank's tick: its branches, sends and writes (see the module docstring); the
+    backward phase's actions are :class:`~jaxpar.pipeline.backward.BackwardActions`."""
 
     def __init__(self, tables: StepTables, model: PipelineModel, params: StageParams,
                  tokens: jax.Array, targets: jax.Array):  # fmt: skip
@@ -140,20 +153,26 @@ class _Program:
         leaves, self.tree = jax.tree.flatten(self.chunk(0))
         self.acc_shapes = [jax.eval_shape(r, x) for r, x in zip(model.reduce, leaves, strict=True)]
         self.embed_shapes = self._embed_grad_shapes() if self.train else None
+        # The backward kinds the table runs, and per chunk leaf whether I computes its gradient
+        # (a split backward's non-dot leaves; none without I).
+        t = tables.table
+        self.ran = set(np.where(t.f_kind == F_FB, FB_BRANCH, t.b_kind).flat)
+        split = self.stage.split
+        self.in_i = (tuple(split.input_grad_mask) if split and B_INPUT in self.ran
+                     else (False,) * len(leaves))  # fmt: skip
         # What each phase returns, as shapes: a branch's outputs are `fresh` values of these,
         # the zeros made inside the branch (carry.fresh says why).
         msg, loss = jax.ShapeDtypeStruct(x0.shape, x0.dtype), jax.ShapeDtypeStruct((), jnp.float32)
-        self.head_shapes = head = jax.eval_shape(lambda h: h, params.head) if self.train else None
+        self.head_shapes = jax.eval_shape(lambda h: h, params.head) if self.train else None
         train, fb, stats = self.train, tables.has_fb, self.stage.stats_shapes
         self.f_shapes = ForwardOut(
             y=msg, loss=loss, stash=list(self.stage.stash_shapes) if train else [],
             taps=list(self.stage.taps_shapes) if train else [], cot=msg if self.n.cot else None,
-            d_head=head if tables.head_in_forward else None, stats=stats,
+            stats=stats,
         )  # fmt: skip
         self.b_shapes = BackwardOut(
-            dx=msg, d_chunk=jax.tree.unflatten(self.tree, self.acc_shapes),
-            d_embed=self.embed_shapes, wpend=list(self.stage.wpend_shapes),
-            loss=loss if fb else None, d_head=head if fb else None, stats=stats if fb else None,
+            dx=msg, wpend=list(self.stage.wpend_shapes), loss=loss if fb else None,
+            stats=stats if fb else None,
         ) if train else None  # fmt: skip
 
     def _embed_grad_shapes(self) -> Any:
@@ -169,16 +188,6 @@ class _Program:
             return jax.tree.map(lambda a: a[0], local)
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), local)
 
-    def reduce(self, d: Any, keep: tuple[bool, ...] | None = None) -> Any:
-        """Per-micro-batch reduction of a chunk gradient; leaves outside ``keep`` are known
-        zeros (a split backward's weight-dot leaves in ``I``) and are not reduced."""
-        out = [
-            r(x) if keep is None or keep[k] else jnp.zeros(s.shape, s.dtype)
-            for k, (x, r, s) in enumerate(zip(jax.tree.leaves(d), self.model.reduce,
-                                              self.acc_shapes, strict=True))
-        ]  # fmt: skip
-        return jax.tree.unflatten(self.tree, out)
-
     def _loss_of(self, j: jax.Array) -> Callable:
         tg = self.targets[j]
         m = self.tables.schedule.m
@@ -191,13 +200,17 @@ class _Program:
         none (a dense layer's ``()``), so every branch returns one structure."""
         return stats if self.stage.stats_shapes is not None else None
 
-    def f_idle(self, xs: TickIn, x_in: jax.Array, kept: ForwardKept | None) -> ForwardOut:
+    def f_idle(self, xs: TickIn, x_in: jax.Array, kept: ForwardKept | None,
+               acc_head: Any) -> tuple[ForwardOut, Any]:  # fmt: skip
         if kept is None:
-            return ops.fresh(self.f_shapes)
+            return ops.fresh(self.f_shapes), acc_head
         return ops.fresh(self.f_shapes, stash=ops.held(kept.stash, kept.k_stash),
-                         taps=ops.held(kept.taps, kept.k_taps))  # fmt: skip
+                         taps=ops.held(kept.taps, kept.k_taps)), acc_head  # fmt: skip
 
-    def f_fwd(self, xs: TickIn, x_in: jax.Array, kept: ForwardKept | None) -> ForwardOut:
+    def f_fwd(self, xs: TickIn, x_in: jax.Array, kept: ForwardKept | None,
+              acc_head: Any) -> tuple[ForwardOut, Any]:  # fmt: skip
+        """``F``; the last stage's head adds its gradient to ``acc_head`` (training with the
+        head in the forward phase; ``None`` otherwise, handed back)."""
         row, train = xs.row, self.train
         s, j = row.f_stage, row.f_mb
         embed = lambda: self.model.embed(self.params.embed, self.tokens[j]).astype(self.dtype)  # noqa: E731
@@ -210,83 +223,25 @@ class _Program:
             out = ops.fresh(self.f_shapes, y=y, stats=self._keep(stats))
         loss_of = self._loss_of(j)
 
-        def at_head(y):
+        def at_head(y, acc_head):
             if not train:
-                return loss_of(self.params.head, y), None, None
+                return loss_of(self.params.head, y), None, acc_head
             loss, (d_head, dy) = jax.value_and_grad(loss_of, argnums=(0, 1))(self.params.head, y)
-            return loss, d_head, dy
+            return loss, dy, ops.add(acc_head, d_head)
 
-        def not_head(y):
-            d_head = ops.fresh_zeros(self.f_shapes.d_head)
-            return jnp.zeros((), jnp.float32), d_head, (y * 0 if train else None)
+        def not_head(y, acc_head):
+            return jnp.zeros((), jnp.float32), (y * 0 if train else None), acc_head
 
         if not self.tables.head_in_forward:  # training with FB on the last stage
-            return out
+            return out, acc_head
         last = self.tables.last_stage
-        loss, d_head, dy = cond(s == last, at_head, not_head, self.w.head, out.y)
+        if train:  # the head's accumulator passes the other ranks' branch untouched
+            loss, dy, acc_head = when(s == last, not_head, at_head, self.w.head, out.y, acc_head)
+        else:
+            loss, dy, acc_head = cond(s == last, at_head, not_head, self.w.head, out.y, acc_head)
         if not train:
-            return dataclasses.replace(out, loss=loss)
-        return dataclasses.replace(out, loss=loss, d_head=d_head, cot=dy if self.n.cot else out.cot)
-
-    # ---- backward phase ---------------------------------------------------------------------
-
-    def b_idle(self, xs: TickIn, ins: BackwardIn) -> BackwardOut:
-        return ops.fresh(self.b_shapes)
-
-    def b_fb(self, xs: TickIn, ins: BackwardIn) -> BackwardOut:
-        # The last stage's forward and full backward of one micro-batch in one tick (the
-        # table's f_* fields name it): one VJP, nothing stashed; under recompute the forward
-        # keeps the layer inputs and each layer's backward re-runs it (one layer's residuals
-        # at a time, as in B).
-        row, loss_of = xs.row, self._loss_of(xs.row.f_mb)
-        if self.stage.p.recompute:
-            ch = self.chunk(row.f_chunk)
-            y, stash, _, stats = self.stage.forward(ch, ins.x)
-            loss, (d_head, dy) = jax.value_and_grad(loss_of, argnums=(0, 1))(self.params.head, y)
-            d_chunk, dx = self.stage.backward(ch, stash, [], dy.astype(y.dtype))
-            return ops.fresh(self.b_shapes, loss=loss, d_head=d_head, dx=dx,
-                             d_chunk=self.reduce(d_chunk),
-                             stats=self._keep(stats))  # fmt: skip
-
-        def fb_loss(ch, hp, x):
-            y, stats = self.stage.apply(ch, x)
-            return loss_of(hp, y), stats
-
-        (loss, stats), (d_chunk, d_head, dx) = jax.value_and_grad(
-            fb_loss, argnums=(0, 1, 2), has_aux=True
-        )(self.chunk(row.f_chunk), self.params.head, ins.x)
-        d_chunk = self.reduce(d_chunk)
-        return ops.fresh(self.b_shapes, loss=loss, d_head=d_head, dx=dx, d_chunk=d_chunk,
-                         stats=self._keep(stats))  # fmt: skip
-
-    def embed_grad(self, row: TickTable, dx: jax.Array) -> Any:
-        # Stage 0's input cotangent is the embedding's: its gradient is taken here (ZeRO-3: the
-        # gather's transpose reduce-scatters it).
-        def grad(dx):
-            tokens = self.tokens[row.b_mb]
-            pullback = jax.vjp(lambda e: self.model.embed(e, tokens), self.params.embed)[1]
-            return pullback(dx.astype(self.dtype))[0]
-
-        none = lambda dx: ops.fresh_zeros(self.embed_shapes)  # noqa: E731
-        return cond(row.b_stage == 0, grad, none, self.w.embed_grad, dx)
-
-    def b_bwd(self, xs: TickIn, ins: BackwardIn) -> BackwardOut:
-        row, ins = xs.row, ops.read_slots(ins, xs.row)
-        d, dx = self.stage.backward(self.chunk(row.b_chunk), ins.stash, ins.taps, ins.g)
-        d_embed = self.embed_grad(row, dx)
-        return ops.fresh(self.b_shapes, dx=dx, d_chunk=self.reduce(d), d_embed=d_embed)
-
-    def b_inp(self, xs: TickIn, ins: BackwardIn) -> BackwardOut:
-        row, ins = xs.row, ops.read_slots(ins, xs.row)
-        d_small, dx, wpend = self.stage.input_grads(self.chunk(row.b_chunk), ins.stash, ins.g)
-        keep = self.stage.split.input_grad_mask
-        return ops.fresh(self.b_shapes, dx=dx, d_chunk=self.reduce(d_small, keep), wpend=wpend,
-                           d_embed=self.embed_grad(row, dx))  # fmt: skip
-
-    def b_wgt(self, xs: TickIn, ins: BackwardIn) -> BackwardOut:
-        row, ins = xs.row, ops.read_slots(ins, xs.row)
-        d = self.stage.weight_grads(self.chunk(row.b_chunk), ins.taps, ins.wpend)
-        return ops.fresh(self.b_shapes, d_chunk=self.reduce(d))
+            return dataclasses.replace(out, loss=loss), acc_head
+        return dataclasses.replace(out, loss=loss, cot=dy if self.n.cot else out.cot), acc_head
 
     # ---- the tick ---------------------------------------------------------------------------
 
@@ -314,9 +269,9 @@ class _Program:
     def tick(self, c: Carry, xs: TickIn) -> tuple[Carry, None]:
         """One scan step: backward phase, its send started, forward phase, the cotangent's
         arrival, the activation's send, the writes."""
-        row, bo, after, prog = xs.row, None, 0, self
+        row, bo, after, prog, acc = xs.row, None, 0, self, None
         if self.train:
-            bo, arr_grad = self._backward_phase(c, xs)
+            bo, acc, arr_grad = self._backward_phase(c, xs)
             if self.overlap:  # the send in flight while the forward computes
                 prog, (bo,) = self._behind(bo)
             else:
@@ -326,8 +281,14 @@ class _Program:
         # they hold (ops.put_all writes them either way).
         kept = ForwardKept(c.stash, c.taps, row.f_stash + after,
                            row.f_taps + after) if self.train else None  # fmt: skip
-        fo = cond(row.f_kind == F_RUN, prog.f_fwd, prog.f_idle, self.w.forward, xs,
-                   ops.slot(c.act, row.f_in + after), kept)  # fmt: skip
+        act_in = ops.slot(c.act, row.f_in + after)
+        if self.train and self.tables.head_in_forward:  # the last stage's F adds to acc_head
+            fo, head = when(row.f_kind == F_RUN, prog.f_idle, prog.f_fwd, self.w.forward, xs,
+                            act_in, kept, acc.head)  # fmt: skip
+            acc = dataclasses.replace(acc, head=head)
+        else:
+            fo, _ = cond(row.f_kind == F_RUN, prog.f_fwd, prog.f_idle, self.w.forward, xs,
+                         act_in, kept, None)  # fmt: skip
         if self.train and self.overlap:
             # All that follows the forward (the activation's send, its writes) waits for the
             # cotangent's arrival. The two sends then run in one order on every device (on
@@ -342,7 +303,7 @@ class _Program:
         loss = fo.loss + bo.loss if self.tables.has_fb else fo.loss  # FB's loss: backward's
         c = dataclasses.replace(c, loss=c.loss + loss, stats=self._add_stats(c.stats, row, fo, bo))
         if self.train:
-            c = self._writes(c, row, fo, bo, after, arr_grad)
+            c = self._writes(c, row, fo, bo, acc, after, arr_grad)
         act = ops.file_arrivals(c.act, self.tables.table.recv_act, row.recv_act, arr_act)
         return dataclasses.replace(c, act=act), None
 
@@ -361,19 +322,29 @@ class _Program:
         return prog, done
 
     def _backward_phase(self, c: Carry, xs: TickIn):
-        """The backward switch (B, I, W or FB) and its send; returns its outputs and arrivals."""
-        row, fb, table = xs.row, self.tables.has_fb, self.tables.table
+        """The backward switch (B, I, W or FB) and its send; returns its outputs, the gradient
+        accumulators (added to in the branch that computed a gradient) and the arrivals."""
+        row, fb = xs.row, self.tables.has_fb
         g = ops.slot(c.grad, row.b_in)
         if self.n.cot:
             g = jnp.where(row.b_stage == self.tables.last_stage, ops.slot(c.cot, row.b_cot), g)
         ins = BackwardIn(g=g, stash=c.stash, taps=c.taps, wpend=c.wpend,
                          x=ops.slot(c.act, row.f_in) if fb else None)  # fmt: skip
-        ran = set(np.where(table.f_kind == F_FB, FB_BRANCH, table.b_kind).flat)
-        every = (self.b_idle, self.b_bwd, self.b_inp, self.b_wgt, self.b_fb)
-        branches = [b if k in ran else self.b_idle for k, b in enumerate(every)]
-        index = jnp.where(row.f_kind == F_FB, FB_BRANCH, row.b_kind)
-        bo = switch(index, branches, self.w.backward, xs, ins)
-        return bo, self.send("grad", bo.dx, xs)
+        kind, chunk = row.b_kind, row.b_chunk
+        if fb:  # an FB is the forward phase's action: its chunk is the forward's
+            kind = jnp.where(row.f_kind == F_FB, FB_BRANCH, kind)
+            chunk = jnp.where(row.f_kind == F_FB, row.f_chunk, chunk)
+        # The head's accumulator enters the backward only where an FB adds to it (else the
+        # forward's head does), the embedding's only its own conditional.
+        acc = Grads(c.acc, None, c.acc_head if fb else None)
+        bo, acc = self.backward_switch(kind, chunk, xs, ins, acc)
+        embed = self.embed_grad(row, bo.dx, c.acc_embed)
+        if self.model.forward_collectives:
+            # ZeRO-3's reduce-scatter of the embedding's gradient is issued before the send, as
+            # every backward collective is (one order of collectives on every device, _behind).
+            bo, embed = jax.lax.optimization_barrier((bo, embed))
+        acc = dataclasses.replace(acc, embed=embed, head=c.acc_head if not fb else acc.head)
+        return bo, acc, self.send("grad", bo.dx, xs)
 
     def _add_stats(self, acc: Any, row: TickTable, fo: ForwardOut, bo: BackwardOut | None):
         """The layers' statistics of this tick's forward (a plain F's, or an FB's) added to
@@ -386,26 +357,21 @@ class _Program:
             acc = ops.accumulate(acc, row.f_chunk, bo.stats, v)
         return acc
 
-    def _writes(self, c: Carry, row: TickTable, fo: ForwardOut, bo: BackwardOut, after, arr_grad):
+    def _writes(self, c: Carry, row: TickTable, fo: ForwardOut, bo: BackwardOut, acc: Grads,
+                after, arr_grad):  # fmt: skip
         # The forward's stash, taps and cot writes land after the backward has read those
         # buffers (the forward itself runs after it): their slot index depends on the
         # backward's output. Without that data dependency XLA cannot order the read before the
         # in-place write and copies each buffer twice per tick.
         i_write = jnp.where(row.b_kind == B_INPUT, row.b_dys, -1)
-        chunk = row.b_chunk
-        if self.tables.has_fb:  # the FB's chunk is the forward's
-            chunk = jnp.where(row.f_kind == F_FB, row.f_chunk, chunk)
-        # The head's gradient: of a plain F on the last stage, or of an FB (the backward's).
-        d_heads = [fo.d_head] if self.tables.head_in_forward else []
-        d_heads += [bo.d_head] if self.tables.has_fb else []
         c = dataclasses.replace(
             c,
             stash=ops.put_all(c.stash, row.f_stash + after, fo.stash),
             taps=ops.put_all(c.taps, row.f_taps + after, fo.taps),
             wpend=ops.write_all(c.wpend, i_write, bo.wpend),
-            acc=ops.accumulate(c.acc, chunk, bo.d_chunk, self.tables.schedule.v),
-            acc_embed=jax.tree.map(jnp.add, c.acc_embed, bo.d_embed),
-            acc_head=jax.tree.map(lambda a, *d: sum(d, a), c.acc_head, *d_heads),
+            acc=acc.chunks,
+            acc_embed=acc.embed,
+            acc_head=acc.head,
             grad=ops.file_arrivals(c.grad, self.tables.table.recv_grad, row.recv_grad, arr_grad),
         )
         if self.n.cot:
