@@ -586,3 +586,155 @@ def test_lhs_computations_walked_once_loops_apart():
     assert main["loops_s"] == pytest.approx(simulate(text, MESH, HW).step_s - _t_gather(128))
     assert main["flat_exposed_s"] == pytest.approx(_t_gather(128), rel=1e-9)
     assert main["flat_compute_s"] == pytest.approx(0.0, abs=1e-10)
+
+
+# ------------------------------------------------------------------------------------------------
+# In-place updates, trip counts read from the loop state
+
+
+def _update_module(read_at: str) -> str:
+    """One loop fusion adding a [1,8,64,128] f32 block into row p2 of a [64,8,64,128] buffer
+    (``buf.at[i].add(x)``, XLA's scatter-add in a blockwise attention's backward), reading the
+    row at ``read_at``."""
+    big, row = "f32[64,8,64,128]", "f32[1,8,64,128]"
+    ds = f"dynamic-slice(%p0, {read_at}, %zero, %zero, %zero), dynamic_slice_sizes={{1,8,64,128}}"
+    return f"""HloModule t, is_scheduled=true, num_partitions=8
+
+%fused_add (p0: {big}, p1: {row}, p2: s32[]) -> {big} {{
+  %p0 = {big}{{3,2,1,0}} parameter(0)
+  %p1 = {row}{{3,2,1,0}} parameter(1)
+  %p2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %one = s32[] constant(1)
+  %next = s32[] add(%p2, %one)
+  %ds = {row}{{3,2,1,0}} {ds}
+  %sum = {row}{{3,2,1,0}} add(%ds, %p1)
+  ROOT %dus = {big}{{3,2,1,0}} dynamic-update-slice(%p0, %sum, %p2, %zero, %zero, %zero)
+}}
+
+ENTRY %main (b: {big}, x: {row}, i: s32[]) -> {big} {{
+  %b = {big}{{3,2,1,0}} parameter(0)
+  %x = {row}{{3,2,1,0}} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %f = {big}{{3,2,1,0}} fusion(%b, %x, %i), kind=kLoop, calls=%fused_add
+}}
+"""
+
+
+def test_update_in_place_moves_the_block_not_the_buffer():
+    """XLA:GPU updates the buffer in place when the fusion reads it only at the slice it writes
+    (``CanEmitFusedDynamicUpdateSliceInPlaceForGpu``): the row read, the addend read, the row
+    written, 3 × 256 KiB, not the 16 MiB buffer. Read at another row, the update cannot be in
+    place: the whole buffer is read and written. (Plus the 4-byte index.)"""
+    row, big = 8 * 64 * 128 * 4, 64 * 8 * 64 * 128 * 4
+    st = simulate(_update_module("%p2"), MESH, HW)
+    assert st.compute_s == pytest.approx((3 * row + 4) / HW.hbm_bw, rel=1e-12)
+    other = simulate(_update_module("%next"), MESH, HW)
+    assert other.compute_s == pytest.approx((2 * big + row + 4) / HW.hbm_bw, rel=1e-12)
+
+
+def _table_loops_module(n: int, rows: int) -> str:
+    """A loop fills a table of bounds (``table[i] = i + 1``, a residual JAX keeps for a loop
+    whose bound depends on an outer counter); a second loop runs, at its ``i``-th trip, an inner
+    loop of ``table[i]`` dot trips, with the bound carried in the inner loop's state (no
+    constant for the trip count to be read from)."""
+    mat, tab = f"bf16[{n},{n}]", f"s32[{rows}]"
+    fill = f"(s32[], {tab})"
+    inner = f"(s32[], s32[], {mat}, {mat})"
+    outer = f"(s32[], {tab}, {mat}, {mat})"
+    return f"""HloModule t, is_scheduled=true, num_partitions=8
+
+{_dot_comp(n)}
+%fill_body (p: {fill}) -> {fill} {{
+  %p = {fill} parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %t = {tab}{{0}} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %i1 = s32[] add(%i, %one)
+  %v = s32[1]{{0}} bitcast(%i1)
+  %t1 = {tab}{{0}} dynamic-update-slice(%t, %v, %i)
+  ROOT %r = {fill} tuple(%i1, %t1)
+}}
+
+%fill_cond (p: {fill}) -> pred[] {{
+  %p = {fill} parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %lim = s32[] constant({rows})
+  ROOT %lt = pred[] compare(%i, %lim), direction=LT
+}}
+
+%inner_body (q: {inner}) -> {inner} {{
+  %q = {inner} parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %lim = s32[] get-tuple-element(%q), index=1
+  %a = {mat}{{1,0}} get-tuple-element(%q), index=2
+  %b = {mat}{{1,0}} get-tuple-element(%q), index=3
+  %dot = {mat}{{1,0}} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+  %one = s32[] constant(1)
+  %j1 = s32[] add(%j, %one)
+  ROOT %r = {inner} tuple(%j1, %lim, %dot, %b)
+}}
+
+%inner_cond (q: {inner}) -> pred[] {{
+  %q = {inner} parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %lim = s32[] get-tuple-element(%q), index=1
+  ROOT %lt = pred[] compare(%j, %lim), direction=LT
+}}
+
+%outer_body (p: {outer}) -> {outer} {{
+  %p = {outer} parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %t = {tab}{{0}} get-tuple-element(%p), index=1
+  %a = {mat}{{1,0}} get-tuple-element(%p), index=2
+  %b = {mat}{{1,0}} get-tuple-element(%p), index=3
+  %at = s32[1]{{0}} dynamic-slice(%t, %i), dynamic_slice_sizes={{1}}
+  %lim = s32[] bitcast(%at)
+  %zero = s32[] constant(0)
+  %init = {inner} tuple(%zero, %lim, %a, %b)
+  %w = {inner} while(%init), condition=%inner_cond, body=%inner_body
+  %d = {mat}{{1,0}} get-tuple-element(%w), index=2
+  %one = s32[] constant(1)
+  %i1 = s32[] add(%i, %one)
+  ROOT %r = {outer} tuple(%i1, %t, %d, %b)
+}}
+
+%outer_cond (p: {outer}) -> pred[] {{
+  %p = {outer} parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %lim = s32[] constant({rows})
+  ROOT %lt = pred[] compare(%i, %lim), direction=LT
+}}
+
+ENTRY %main (a: {mat}, b: {mat}) -> {outer} {{
+  %a = {mat}{{1,0}} parameter(0)
+  %b = {mat}{{1,0}} parameter(1)
+  %zero = s32[] constant(0)
+  %empty = {tab}{{0}} broadcast(%zero), dimensions={{}}
+  %f0 = {fill} tuple(%zero, %empty)
+  %filled = {fill} while(%f0), condition=%fill_cond, body=%fill_body, {_trips(rows)}
+  %t = {tab}{{0}} get-tuple-element(%filled), index=1
+  %o0 = {outer} tuple(%zero, %t, %a, %b)
+  ROOT %loop = {outer} while(%o0), condition=%outer_cond, body=%outer_body, {_trips(rows)}
+}}
+"""
+
+
+@pytest.mark.parametrize("rows", [4, 9])
+def test_trip_count_read_from_a_table_in_the_loop_state(rows, monkeypatch):
+    """The inner loop's trips are read by running its condition on the values its state
+    starts with: 1 + 2 + … + rows dots, nothing assumed. The table is filled by a loop whose
+    iterations after the second are added without walking them: what they write is computed
+    all the same (otherwise the later bounds would read 0). Walking every iteration gives the
+    same step."""
+    n = 1024
+    st = simulate(_table_loops_module(n, rows), MESH, HW)
+    dots = rows * (rows + 1) // 2
+    assert st.assumptions == []
+    assert st.hardware_flops == dots * 2.0 * n**3
+    assert st.compute_s == pytest.approx(dots * _t_dot(n), abs=1e-9)  # and the counters
+    assert _path(st)[2]["dot"] == dots
+    monkeypatch.setattr(TM._Sim, "reaches_conditional", lambda self, c: True)  # walk all
+    walked = simulate(_table_loops_module(n, rows), MESH, HW)
+    assert walked.step_s == pytest.approx(st.step_s, rel=1e-12)
+    assert walked.hardware_flops == st.hardware_flops

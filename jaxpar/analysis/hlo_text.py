@@ -7,7 +7,9 @@ Formats handled (as printed by the XLA in jax 0.10.x; checked against its CPU ou
 * computations ``[ENTRY] %name (params) -> shape {`` … ``}``; instructions
   ``[ROOT] %name = <shape> <opcode>(<operands>), attr=…`` where operands are ``%x`` or
   ``<shape> %x``; the ``FileNames``/``StackFrames`` tables between them are skipped;
-* ``while`` trip counts from ``backend_config={…"known_trip_count":{"n":"5"}…}``;
+* ``while`` trip counts from ``backend_config={…"known_trip_count":{"n":"5"}…}``, from the
+  loop's ``i < N`` (:func:`infer_trips`), or by running the condition on the values the loop
+  starts with (:class:`Values`: small integer arrays where constants decide them);
 * replica groups: explicit ``{{0,1},{2,3}}`` (``{}`` = one group of all partitions), iota
   ``[G,S]<=[dims]T(perm)``, and the mesh-axes form
   ``mesh['axis_0'=4,'axis_1'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_0':(2)2}``
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +59,7 @@ class Instr:
     opcode: str
     operands: list[str]
     attrs: str
+    literal: str = ""  # a constant's literal, as printed ("3", "{0, 1}", "true")
 
 
 def _balanced(s: str, i: int) -> int:
@@ -94,7 +98,8 @@ def _parse_instr(line: str) -> Instr | None:
     ops_text = rest[om.end() : close - 1]
     # An operand is "%name" or "<shape> %name"; the name is the last token.
     operands = [p.split()[-1].lstrip("%") for p in split_top(ops_text) if p.strip()]
-    return Instr(m.group(1), shape, om.group(1), operands, rest[close:])
+    literal = ops_text.strip() if om.group(1) == "constant" else ""
+    return Instr(m.group(1), shape, om.group(1), operands, rest[close:], literal)
 
 
 def split_top(s: str) -> list[str]:
@@ -267,6 +272,274 @@ def callees(ins: Instr) -> list[str]:
     for _, val in _CALLEE_ATTRS.findall(ins.attrs):
         names += [v.strip().lstrip("%") for v in val.strip("{}").split(",") if v.strip()]
     return names
+
+
+# --------------------------------------------------------------------------------------------
+# What the small integer arrays hold
+
+
+_INT = {"s8": np.int64, "s16": np.int64, "s32": np.int64, "s64": np.int64, "u8": np.int64,
+        "u16": np.int64, "u32": np.int64, "u64": np.int64, "pred": np.bool_}  # fmt: skip
+_BINARY = {
+    "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "maximum": np.maximum,
+    "minimum": np.minimum, "remainder": np.fmod, "and": np.bitwise_and, "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+}  # fmt: skip
+_LOGICAL = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}
+_COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal,
+            "GT": np.greater, "GE": np.greater_equal}  # fmt: skip
+_REDUCERS = {"add": np.sum, "multiply": np.prod, "maximum": np.max, "minimum": np.min,
+             "and": np.all, "or": np.any}  # fmt: skip
+
+
+def _leaves(shape: str) -> Any:
+    """A shape as a tree: a tuple shape's elements as a list, an array as its text."""
+    shape = shape.strip()
+    if shape.startswith("("):
+        return [_leaves(p) for p in split_top(shape[1 : _balanced(shape, 0) - 1]) if p.strip()]
+    return shape
+
+
+def _array(shape: str) -> tuple[Any, tuple[int, ...]] | None:
+    """(numpy dtype, dims) of an integer or predicate array shape, else None."""
+    m = _ARRAY.search(shape)
+    if not m or m.group(1) not in _INT or "<" in m.group(2):
+        return None
+    return _INT[m.group(1)], tuple(int(d) for d in m.group(2).split(",") if d.strip())
+
+
+def _ints_attr(attrs: str, key: str) -> list[int] | None:
+    m = re.search(key + r"=\{([^}]*)\}", attrs)
+    return [int(x) for x in re.findall(r"-?\d+", m.group(1))] if m else None
+
+
+class Values:
+    """What a module's small integer and predicate arrays hold where constants decide it: loop
+    counters and bounds, slice indices, the tables of bounds XLA or JAX keep in a loop's state.
+
+    :meth:`of` computes one instruction from its operands' values; :meth:`run` a computation's
+    root from its parameters', through fusions, calls, conditionals whose branch is known and
+    ``while`` loops (iterated); :meth:`trips` how many times a loop runs from the values its
+    state starts with. A value is a numpy array (``int64`` or ``bool``), a list for a tuple, or
+    None where it is not known (floats, ``partition-id``, anything it does not read).
+    """
+
+    LIMIT = 1 << 16  # elements of an array worth following
+    MAX_TRIPS = 1 << 20  # iterations a loop is followed for
+
+    def __init__(self, comps: dict[str, list[Instr]]) -> None:
+        self.comps = comps
+        self._tables: dict[str, dict[str, Instr]] = {}
+        self._plans: dict[str, list[Instr]] = {}
+        self._wanted: dict[str, bool] = {}
+
+    def table(self, comp: str) -> dict[str, Instr]:
+        if comp not in self._tables:
+            self._tables[comp] = {i.name: i for i in self.comps.get(comp, [])}
+        return self._tables[comp]
+
+    def wanted(self, shape: str) -> bool:
+        """Whether a value of ``shape`` holds a small integer or predicate array."""
+        if shape not in self._wanted:
+
+            def small(t: Any) -> bool:
+                if isinstance(t, list):
+                    return any(small(x) for x in t)
+                a = _array(t)
+                return a is not None and int(np.prod(a[1], dtype=np.int64)) <= self.LIMIT
+
+            self._wanted[shape] = small(_leaves(shape))
+        return self._wanted[shape]
+
+    def _plan(self, comp: str) -> list[Instr]:
+        """The instructions the root's small arrays depend on, in program order."""
+        if comp not in self._plans:
+            body, table = self.comps.get(comp, []), self.table(comp)
+            need: set[str] = set()
+            todo = [body[-1].name] if body and self.wanted(body[-1].shape) else []
+            while todo:
+                name = todo.pop()
+                if name in need:
+                    continue
+                need.add(name)
+                ins = table[name]
+                todo += [o for o in ins.operands if o in table and self.wanted(table[o].shape)]
+            self._plans[comp] = [i for i in body if i.name in need]
+        return self._plans[comp]
+
+    def run(self, comp: str, args: list[Any]) -> Any:
+        """The value of ``comp``'s root given its parameters' values."""
+        env: dict[str, Any] = {}
+        plan = self._plan(comp)
+        for ins in plan:
+            env[ins.name] = self.of(comp, ins, [env.get(o) for o in ins.operands], args)
+        return env.get(plan[-1].name) if plan else None
+
+    def trips(self, loop: Instr, state: Any) -> int | None:
+        """How many times ``loop`` runs its body from ``state`` (its operand's value), or None
+        where the condition's value is not known."""
+        cm = re.search(r"condition=%?([\w.\-]+)", loop.attrs)
+        bm = re.search(r"body=%?([\w.\-]+)", loop.attrs)
+        if not cm or not bm or cm.group(1) not in self.comps or bm.group(1) not in self.comps:
+            return None
+        for n in range(self.MAX_TRIPS):
+            go = self.run(cm.group(1), [state])
+            if not isinstance(go, np.ndarray) or go.shape != ():
+                return None
+            if not go:
+                return n
+            state = self.run(bm.group(1), [state])
+        return None
+
+    def advance(self, loop: Instr, state: Any, n: int) -> Any:
+        """``state`` after ``n`` more runs of ``loop``'s body (what is known of it)."""
+        bm = re.search(r"body=%?([\w.\-]+)", loop.attrs)
+        if not bm or bm.group(1) not in self.comps:
+            return None
+        for _ in range(n):
+            state = self.run(bm.group(1), [state])
+        return state
+
+    def of(self, comp: str, ins: Instr, ops: list[Any], args: list[Any] | None = None) -> Any:
+        """The value of ``ins`` (an instruction of ``comp``) given its operands' values;
+        ``args`` the computation's parameters' (for ``parameter``)."""
+        op = ins.opcode
+        if op == "parameter":
+            k = int(ins.operands[0]) if ins.operands and ins.operands[0].isdigit() else 0
+            return args[k] if args is not None and k < len(args) else None
+        if op == "tuple":
+            return list(ops)
+        if op == "get-tuple-element":
+            m = re.search(r"index=(\d+)", ins.attrs)
+            v = ops[0] if ops else None
+            k = int(m.group(1)) if m else 0
+            return v[k] if isinstance(v, list) and k < len(v) else None
+        if op in ("fusion", "call"):
+            called = callees(ins)
+            return self.run(called[0], ops) if called else None
+        if op == "while":
+            if not self.wanted(ins.shape) or not ops:
+                return None
+            tm = _TRIP.search(ins.attrs)
+            n = int(tm.group(1)) if tm else self.trips(ins, ops[0])
+            return None if n is None else self.advance(ins, ops[0], n)
+        if op == "conditional":
+            return self._conditional(ins, ops)
+        if not self.wanted(ins.shape):
+            return None
+        try:
+            got = self._array_op(comp, ins, ops)
+        except (ValueError, IndexError, TypeError, KeyError, ZeroDivisionError):
+            return None
+        return None if got is None else np.asarray(got)
+
+    def _conditional(self, ins: Instr, ops: list[Any]) -> Any:
+        called = callees(ins)
+        pred = re.search(r"true_computation=%?([\w.\-]+).*false_computation=%?([\w.\-]+)",
+                         ins.attrs)  # fmt: skip
+        if pred:
+            called = [pred.group(2), pred.group(1)]
+        k = ops[0] if ops else None
+        if not isinstance(k, np.ndarray) or k.shape != ():
+            return None
+        i = int(k) if not pred else int(bool(k))
+        i = i if 0 <= i < len(called) else len(called) - 1  # an index out of range: the last
+        return self.run(called[i], [ops[1 + i] if 1 + i < len(ops) else None])
+
+    def _array_op(self, comp: str, ins: Instr, ops: list[Any]) -> np.ndarray | None:
+        op, attrs = ins.opcode, ins.attrs
+        dtype, dims = _array(ins.shape)  # type: ignore[misc]
+        if op == "constant":
+            words = re.findall(r"-?\d+|true|false", ins.literal)
+            vals = [w == "true" if w in ("true", "false") else int(w) for w in words]
+            if len(vals) != int(np.prod(dims, dtype=np.int64)):
+                return None
+            return np.array(vals, dtype=dtype).reshape(dims)
+        if op == "iota":
+            m = re.search(r"iota_dimension=(\d+)", attrs)
+            d = int(m.group(1)) if m else 0
+            shape = [1] * len(dims)
+            shape[d] = dims[d]
+            return np.broadcast_to(np.arange(dims[d]).reshape(shape), dims).astype(dtype)
+        if any(not isinstance(v, np.ndarray) for v in ops):
+            return None
+        if op == "copy":
+            return ops[0]
+        if op in ("bitcast", "reshape"):
+            src = self.table(comp).get(ins.operands[0])
+            if op == "bitcast" and not (_default_layout(ins.shape) and src is not None and
+                                        _default_layout(src.shape)):  # fmt: skip
+                return None
+            return ops[0].reshape(dims).astype(dtype)
+        if op == "convert":
+            return ops[0].astype(dtype) if dtype is not np.bool_ else ops[0] != 0
+        if op == "broadcast":
+            bdims = _ints_attr(attrs, "dimensions") or []
+            x = ops[0].transpose(np.argsort(bdims)) if bdims else ops[0]
+            shape = [1] * len(dims)
+            for j, d in enumerate(sorted(bdims)):
+                shape[d] = x.shape[j]
+            return np.broadcast_to(x.reshape(shape), dims).astype(dtype)
+        if op == "transpose":
+            return ops[0].transpose(_ints_attr(attrs, "dimensions"))
+        if op in _BINARY:
+            a, b = ops
+            if a.dtype == np.bool_ and op in _LOGICAL:
+                return _LOGICAL[op](a, b)
+            return _BINARY[op](a, b).astype(dtype)
+        if op == "divide":
+            a, b = ops
+            return (np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))).astype(dtype)
+        if op == "compare":
+            m = re.search(r"direction=(\w+)", attrs)
+            return _COMPARE[m.group(1)](*ops) if m else None
+        if op == "select":
+            return np.where(ops[0], ops[1], ops[2]).astype(dtype)
+        if op == "clamp":
+            return np.minimum(np.maximum(ops[1], ops[0]), ops[2]).astype(dtype)
+        if op == "not":
+            return ~ops[0] if dtype is not np.bool_ else np.logical_not(ops[0])
+        if op == "negate":
+            return -ops[0]
+        if op == "abs":
+            return np.abs(ops[0])
+        if op == "dynamic-slice":
+            sizes = _ints_attr(attrs, "dynamic_slice_sizes") or []
+            x = ops[0]
+            starts = [min(max(int(s), 0), x.shape[d] - sizes[d]) for d, s in enumerate(ops[1:])]
+            return x[tuple(slice(s, s + n) for s, n in zip(starts, sizes, strict=True))].copy()
+        if op == "dynamic-update-slice":
+            x, upd = ops[0].copy(), ops[1]
+            starts = [min(max(int(s), 0), x.shape[d] - upd.shape[d])
+                      for d, s in enumerate(ops[2:])]  # fmt: skip
+            x[tuple(slice(s, s + n) for s, n in zip(starts, upd.shape, strict=True))] = upd
+            return x
+        if op == "slice":
+            m = re.search(r"slice=\{([^}]*)\}", attrs)
+            parts = re.findall(r"\[(-?\d+):(-?\d+)(?::(\d+))?\]", m.group(1)) if m else []
+            return ops[0][tuple(slice(int(a), int(b), int(c or 1)) for a, b, c in parts)].copy()
+        if op == "concatenate":
+            return np.concatenate(ops, axis=(_ints_attr(attrs, "dimensions") or [0])[0])
+        if op == "reduce" and len(ops) == 2:
+            to = re.search(r"to_apply=%?([\w.\-]+)", attrs)
+            root = self.comps.get(to.group(1), [None])[-1] if to else None
+            fn = _REDUCERS.get(root.opcode) if root is not None else None
+            if fn is None:
+                return None
+            axes = tuple(_ints_attr(attrs, "dimensions") or [])
+            combine = _LOGICAL.get(root.opcode) if dtype is np.bool_ else None
+            combine = combine or _BINARY[root.opcode]
+            return np.asarray(combine(fn(ops[0], axis=axes), ops[1])).astype(dtype)
+        return None
+
+
+def _default_layout(shape: str) -> bool:
+    """Whether an array shape's layout is the row-major default (or not printed)."""
+    m = re.search(r"\]\{([\d,]*)", shape)
+    if not m:
+        return True
+    got = [int(x) for x in m.group(1).split(",") if x]
+    return got == sorted(got, reverse=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,8 +14,10 @@ streams. Every figure comes from the mesh file's hardware (``peak_flops_bf16``,
   Dao 2023, §3.1: five matmuls against two), at :func:`attention_share` of peak;
 * **everything else** (loop/input fusions, copies, slices, reductions): the bytes it reads and
   writes at ``hbm_bw`` (the peak: no fitted share). A fusion reading a buffer only through
-  ``dynamic-slice``/``slice``/``gather`` reads the slice; one updating a buffer in place
-  (``dynamic-update-slice`` of a parameter) moves the update, not the buffer;
+  ``dynamic-slice``/``slice``/``gather`` reads the slice; one updating a buffer in place moves
+  the update, not the buffer: XLA:GPU's rule (:func:`_in_place`), a ``dynamic-update-slice`` of
+  a parameter read elsewhere in the fusion only at the slice it writes (``buf.at[i].add(x)``);
+  otherwise the fusion writes its whole output;
 * **collectives**: :func:`jaxpar.planner.collectives.call_time` (NCCL's ring/tree and protocol
   latencies, the mesh's NVLink and NIC bandwidths) for the wire bytes one device sends
   (:func:`jaxpar.analysis.hlo.collective_bytes`), over the group's size and the nodes it spans
@@ -162,6 +164,74 @@ def _first(shape: str) -> str:
     return shape[1:].split(")")[0] if shape.startswith("(") else shape
 
 
+# Elementwise opcodes (HloInstruction::IsElementwise, the ones fusions hold).
+_ELEMENTWISE = frozenset((
+    "abs", "add", "and", "atan2", "cbrt", "ceil", "clamp", "compare", "convert", "cosine",
+    "divide", "exponential", "exponential-minus-one", "floor", "imag", "is-finite", "log",
+    "log-plus-one", "logistic", "maximum", "minimum", "multiply", "negate", "not", "or",
+    "popcnt", "power", "real", "remainder", "round-nearest-afz", "round-nearest-even", "rsqrt",
+    "select", "shift-left", "shift-right-arithmetic", "shift-right-logical", "sign", "sine",
+    "sqrt", "subtract", "tan", "tanh", "xor",
+))  # fmt: skip
+
+
+def _readers(name: str, users: dict[str, list[Instr]]) -> list[Instr]:
+    """The instructions that read ``name``, through bitcasts of it."""
+    out = []
+    for u in users.get(name, []):
+        out += _readers(u.name, users) if u.opcode == "bitcast" else [u]
+    return out
+
+
+def _through_bitcasts(ins: Instr, table: dict[str, Instr]) -> Instr | None:
+    """The ``dynamic-update-slice`` a fusion root is, possibly under bitcasts, or None."""
+    while ins.opcode == "bitcast" and ins.operands and ins.operands[0] in table:
+        ins = table[ins.operands[0]]
+    return ins if ins.opcode == "dynamic-update-slice" else None
+
+
+def _in_place(roots: list[Instr], table: dict[str, Instr],
+              users: dict[str, list[Instr]]) -> set[str]:  # fmt: skip
+    """The parameters a fusion updates in place; empty when XLA:GPU writes its whole output.
+
+    XLA's rule (``CanEmitFusedDynamicUpdateSliceInPlaceForGpu``, xla/service/gpu/
+    ir_emission_utils.cc): every root is a ``dynamic-update-slice`` (under bitcasts) of the
+    same update shape, whose buffer is a fusion parameter (under a bitcast); what reads that
+    parameter, followed through its users, is only ``dynamic-slice`` s of the update's shape at
+    the update's start indices (the slice is read before it is written), elementwise ops,
+    bitcasts and tuples, up to the update itself."""
+    out: set[str] = set()
+    shapes = set()
+    for r in roots:
+        dus = _through_bitcasts(r, table)
+        if dus is None or len(dus.operands) < 2 or dus.operands[1] not in table:
+            return set()
+        shapes.add(tuple(_dims(table[dus.operands[1]].shape)))
+        buf = table.get(dus.operands[0])
+        if buf is not None and buf.opcode == "bitcast" and buf.operands:
+            buf = table.get(buf.operands[0])
+        if buf is None or buf.opcode != "parameter":
+            return set()
+        update, starts = _dims(table[dus.operands[1]].shape), dus.operands[2:]
+        seen, todo = {buf.name, dus.name}, [buf.name]
+        while todo:
+            for u in users.get(todo.pop(), []):
+                if u.opcode == "dynamic-slice":
+                    same = (u.operands[0] == dus.operands[0] and u.operands[1:] == starts
+                            and _dims(u.shape) == update)  # fmt: skip
+                    if not same:
+                        return set()
+                elif u.opcode == "dynamic-update-slice" and u is not dus:
+                    return set()
+                elif u is not dus and u.opcode not in (*_ELEMENTWISE, "bitcast", "tuple"):
+                    return set()
+                if u.name not in seen:
+                    seen.add(u.name)
+                    todo.append(u.name)
+        out.add(buf.name)
+    return out if len(shapes) == 1 else set()
+
+
 class Coster:
     """Costs of the instructions of one parsed module (``comps`` from
     :func:`jaxpar.analysis.hlo_text.parse_module`) on ``hw``; ``nodes[p]`` is the node of
@@ -277,20 +347,20 @@ class Coster:
         roots = [body[-1]]
         if body[-1].opcode == "tuple":
             roots = [ftable[o] for o in body[-1].operands if o in ftable]
-        in_place = {r.operands[0] for r in roots if r.opcode == "dynamic-update-slice"}
+        in_place = _in_place(roots, ftable, users)
         total = 0.0
         for r in roots:  # what the fusion writes
-            upd = ftable.get(r.operands[1]) if len(r.operands) > 1 else None
-            if r.opcode == "dynamic-update-slice" and upd is not None:
-                total += shape_bytes(upd.shape)
+            dus = _through_bitcasts(r, ftable)
+            if in_place and dus is not None:
+                total += shape_bytes(ftable[dus.operands[1]].shape)
             else:
                 total += shape_bytes(r.shape)
         for k, size in enumerate(ops):  # what it reads
             p = params.get(k)
-            use = users.get(p, []) if p else []
-            if p in in_place and all(u.opcode == "dynamic-update-slice" for u in use):
-                continue
-            if use and all(u.opcode in ("dynamic-slice", "slice", "gather") for u in use):
+            use = _readers(p, users) if p else []
+            if p in in_place:  # the update's slice, read where a dynamic-slice reads it
+                total += sum(shape_bytes(u.shape) for u in use if u.opcode == "dynamic-slice")
+            elif use and all(u.opcode in ("dynamic-slice", "slice", "gather") for u in use):
                 total += sum(shape_bytes(u.shape) for u in use)
             else:
                 total += size

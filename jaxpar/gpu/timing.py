@@ -5,13 +5,18 @@ The optimized module is scheduled (``is_scheduled=true``): each computation's in
 printed in the order the GPU runs them. :func:`simulate` walks the entry computation in that
 order and follows what it calls:
 
-* ``while``: the body runs its trip count times (``known_trip_count``, else what
-  :func:`jaxpar.analysis.hlo_text.infer_trips` reads from the loop — the micro-batch loop XLA
-  leaves unannotated —, else once, said in ``assumptions``); the loop condition is not costed.
-  Once an iteration leaves the streams and the in-flight collectives where the previous one
-  left them (relative to the compute clock), the remaining iterations are the same and are
-  added without walking them (loops whose body holds an annotated conditional are always
-  walked);
+* ``while``: the body runs its trip count times: ``known_trip_count``, else what
+  :func:`jaxpar.analysis.hlo_text.infer_trips` reads from the loop (``i < N`` with a constant
+  ``N``: the micro-batch loop XLA leaves unannotated), else what the condition gives when run
+  on the values the loop's state starts with (:class:`jaxpar.analysis.hlo_text.Values`; the
+  walk carries the small integer arrays — counters, bounds, tables of bounds — as it goes: a
+  blockwise attention's causal row visits ``i + 1`` key blocks, a bound JAX keeps in a table),
+  else once, said in ``assumptions``; the loop condition is not costed. Once an iteration
+  leaves the streams and the in-flight collectives where the previous one left them (relative
+  to the compute clock) and read the same trip counts for the loops inside it, the remaining
+  iterations are taken to be the same and are added without walking them, the integer values
+  they leave in the state computed all the same (loops whose body holds an annotated
+  conditional are always walked);
 * ``conditional``: a pipeline tick's switch states how often it takes each branch
   (:func:`jaxpar.analysis.hlo_text.branch_weights`, from the schedule table); execution ``n``
   takes the branch furthest behind its share (``argmax w_i·(n+1) − taken_i``), so the counts
@@ -66,6 +71,7 @@ from jaxpar.analysis.hlo import KINDS, collective_bytes
 from jaxpar.analysis.hlo_text import (
     _TRIP,
     Instr,
+    Values,
     branch_weights,
     callees,
     infer_trips,
@@ -179,6 +185,8 @@ class _Sim:
     def __init__(self, comps, entry, hw, mesh, nodes) -> None:
         self.comps, self.entry, self.hw = comps, entry, hw
         self.coster = Coster(comps, hw, nodes)
+        self.values = Values(comps)
+        self.read: list[int] = []  # trip counts read from values, in the order walked
         shape = tuple(int(s) for s in np.shape(mesh.devices))
         self.n_parts = int(np.prod(shape))
         self.t = 0.0
@@ -214,11 +222,12 @@ class _Sim:
         return (self.t, dict(self.free), handles, dict(self.exposed), dict(self.comm),
                 self.compute_s, self.flops, len(self.events), self.dropped,
                 {k: list(v) for k, v in self.taken.items()}, self.path,
-                dict(self.free_path))  # fmt: skip
+                dict(self.free_path), len(self.read))  # fmt: skip
 
     def restore(self, s) -> None:
         (self.t, self.free, self.handles, self.exposed, self.comm, self.compute_s, self.flops,
-         n, self.dropped, self.taken, self.path, self.free_path) = s  # fmt: skip
+         n, self.dropped, self.taken, self.path, self.free_path, r) = s  # fmt: skip
+        del self.read[r:]
         self.handles = {k: _Handle(h.end, h.axes, h.name, h.path) for k, h in self.handles.items()}
         self.free_path = dict(self.free_path)
         del self.events[n:]
@@ -266,6 +275,10 @@ class _Sim:
                 self.kernel(comp, ins)
                 if op in _PASS and ins.operands:
                     env[ins.name] = env.get(ins.operands[0])
+                if self.values.wanted(ins.shape):  # a counter, a bound, an index
+                    got = self.values.of(comp, ins, [env.get(o) for o in ins.operands])
+                    if got is not None:
+                        env[ins.name] = got
         return env.get(body[-1].name) if body else None
 
     def kernel(self, comp: str, ins: Instr) -> None:
@@ -379,14 +392,20 @@ class _Sim:
             i = int(np.argmax(ends))
         return self.run(called[i], [args[i] if i < len(args) else None])
 
-    def trips(self, comp: str, ins: Instr) -> int:
+    def trips(self, comp: str, ins: Instr, state: Any) -> int:
         tm = _TRIP.search(ins.attrs)
         if tm:
             return int(tm.group(1))
         got = infer_trips(self.comps, self.comps[comp], ins)
         if got is not None:
             return got
-        self.assumptions.append(f"while {ins.name}: trip count unknown; one trip assumed")
+        got = self.values.trips(ins, state)  # the condition, run on the state's values
+        if got is not None:
+            self.read.append(got)
+            return got
+        note = f"while {ins.name}: trip count unknown; one trip assumed"
+        if note not in self.assumptions:
+            self.assumptions.append(note)
         return 1
 
     def _signature(self, state: Any) -> tuple:
@@ -410,7 +429,7 @@ class _Sim:
         bm = re.search(r"body=%?([\w.\-]+)", ins.attrs)
         if not bm or bm.group(1) not in self.comps:
             return state
-        body, n = bm.group(1), self.trips(comp, ins)
+        body, n = bm.group(1), self.trips(comp, ins, state)
         steady = not self.reaches_conditional(body)
         prev = None
         i = 0
@@ -419,13 +438,16 @@ class _Sim:
             t0, ex0, cm0, c0, f0, e0 = (self.t, dict(self.exposed), dict(self.comm),
                                         self.compute_s, self.flops, len(self.events))  # fmt: skip
             links0 = self._links(state)
+            r0 = len(self.read)
             state = self.run(body, [state])
             self.loops.pop()
             i += 1
-            cur = (self._signature(state), self.t - t0)
+            cur = (self._signature(state), self.t - t0, tuple(self.read[r0:]))
             if steady and prev is not None and i < n and _same(prev, cur):
                 self._repeat(n - i, t0, ex0, cm0, c0, f0, e0, state, (ins.name, i - 1))
                 self._repeat_paths(n - i, links0, state)
+                # the counters and bounds the iterations not walked leave in the state
+                state = _merge(state, self.values.advance(ins, state, n - i))
                 break
             prev = cur
         return state
@@ -552,10 +574,21 @@ def _add(into: dict[str, list[float]], what: str | dict[str, list[float]], s: fl
                 got[1] += count
 
 
+def _merge(state: Any, ints: Any) -> Any:
+    """The loop state ``state`` with the integer values ``ints`` (:class:`Values`) in place of
+    its own (which are the last walked iteration's): its collectives' handles kept."""
+    if isinstance(state, list):
+        more = ints if isinstance(ints, list) and len(ints) == len(state) else [None] * len(state)
+        return [_merge(s, v) for s, v in zip(state, more, strict=True)]
+    if isinstance(ints, np.ndarray) or isinstance(state, np.ndarray):
+        return ints if isinstance(ints, np.ndarray) else None
+    return state
+
+
 def _same(a: tuple, b: tuple) -> bool:
-    (sa, da), (sb, db) = a, b
+    (sa, da, ra), (sb, db, rb) = a, b
     tol = 1e-9 * max(abs(da), abs(db), 1e-12)
-    if abs(da - db) > tol or len(sa[1]) != len(sb[1]):
+    if ra != rb or abs(da - db) > tol or len(sa[1]) != len(sb[1]):
         return False
     pairs = list(zip(sa[0], sb[0], strict=True)) + list(zip(sa[1], sb[1], strict=True))
     return all(abs(x - y) <= tol for x, y in pairs)
