@@ -210,6 +210,34 @@ def test_sequence_parallel_compiles_to_collective_matmul(tmp_path):
     assert 0.95 < tp["ratio"] < 1.12, tp  # the same bytes as the gathers and scatters
 
 
+def test_zero3_layer_collectives_run_beside_matmuls(tmp_path):
+    """ZeRO-3 over dp 8 on an 8-GPU target (8 layers of width 512, 2 micro-batches): every
+    all-gather and reduce-scatter of the layer loops is asynchronous and has a matmul scheduled
+    between its start and done (the pipelined gather of layer i + 1 beside layer i's matmuls,
+    the reduce-scatter beside the backward's); only the embedding's and head's, before the
+    first layer and after the last, may be exposed."""
+    _plugin_or_fail()
+    import jax
+
+    from jaxpar.analysis.hlo_gpu import async_collectives
+    from jaxpar.devices import make_mesh
+
+    model = _mid_model(tmp_path)
+    hlo = tmp_path / "step.hlo"
+    _compile(tmp_path, "--model", str(model), "--mesh", "h100-8", "--seq-len", "512",
+             "--global-batch", "16", "--pp", "1", "--dp", "8", "--tp", "1", "--zero", "3",
+             "--microbatches", "2", "--hlo", str(hlo), "--json")  # fmt: skip
+    lay = dataclasses.replace(C.load_mesh("h100-8").layout, dp=8, tp=1, pp=1, sp=1)
+    items = async_collectives(hlo.read_text(), make_mesh(lay, jax.devices()[:8]))
+    layer = [it for it in items if it.axes == ("dp",) and it.count > 1
+             and it.kind in ("all-gather", "reduce-scatter")]  # fmt: skip
+    assert {it.kind for it in layer} == {"all-gather", "reduce-scatter"}
+    # 8 layers, 2 micro-batches: a gather forward, a gather and a reduce-scatter backward each
+    assert sum(it.count for it in layer) >= 2 * 8 * 3 * 0.75
+    for it in layer:
+        assert it.asynchronous and not it.sync and it.flops_between > 0, it
+
+
 def test_pipelined_all_gather_only_under_zero3():
     """The mesh files' pipelined all-gather serves ZeRO-3's weight gathers; other layouts start
     XLA without it (jaxpar.distributed.run_xla_flags)."""
