@@ -330,3 +330,22 @@ def test_planner_prices_what_the_compiled_gpu_program_overlaps():
         if c.label.startswith("gradient")
     ]
     assert mega and mega[0].hidden_s > 0  # a framework bucketing during the backward hides it
+
+
+def test_pipeline_ticks_price_their_weight_casts_and_gradient_adds():
+    """jaxpar's tick program casts each chunk's weights and adds its gradient into the fp32
+    accumulator every micro-batch (cost.TICK_WEIGHT_BYTES per local parameter); not outside a
+    pipeline, not under ZeRO-3, not for another framework's executor."""
+    from jaxpar.planner import cost as CO
+    from jaxpar.planner import published_runs as PR
+    from jaxpar.planner.shapes import param_counts
+
+    model, hw = C.load_model("llama3-8b"), C.load_mesh("h100-8").hardware
+    pp = C.LayoutConfig(dp=2, pp=4, zero=1, microbatches=8, compute_dtype="bfloat16")
+    ex, bw = CO.for_model(model), CO.memory_bound_bw(hw)
+    want = 8 * CO.TICK_WEIGHT_BYTES * param_counts(model, pp).local / bw
+    assert CO.tick_weights(model, pp, bw, ex) == pytest.approx(want) and want > 0
+    assert CO.step_cost(model, hw, pp, Shape(16, 2048)).terms["tick_weights"] == pytest.approx(want)
+    assert CO.tick_weights(model, dataclasses.replace(pp, pp=1, dp=8), bw, ex) == 0
+    assert CO.tick_weights(model, dataclasses.replace(pp, zero=3), bw, ex) == 0
+    assert CO.tick_weights(model, pp, bw, PR.MEGATRON_2022) == 0

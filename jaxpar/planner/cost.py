@@ -24,6 +24,8 @@ of ``b`` sequences of ``s`` tokens per dp rank, ``tokens = b·s/sp`` local token
   F, B (3F under full recompute), I and W (:func:`action_costs`), in units of the stage's
   forward; the last stage's head and loss sit on the critical path once per micro-batch.
 * **Host transfers**: offloaded optimizer/params and activations over ``host_to_device_bw``.
+* **Pipeline tick weights** (jaxpar's executor): each tick casts its chunk's weights and the
+  backward adds its gradient into the fp32 accumulator (:func:`tick_weights`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ from jaxpar.planner.workload import Shape
 
 COMM_TERMS = ("tp_comm", "sp_comm", "pp_p2p", "dp_comm", "ep_comm")
 OPTIMIZER_BYTES = 30.0  # Adam: read p, g, m, v (fp32), write p, m, v, and the bf16 copy
+# HBM bytes per local parameter and micro-batch that jaxpar's pipeline tick program moves for
+# its chunks' weights: the fp32 -> bf16 cast in the forward tick (read 4, write 2) and again in
+# the backward tick (its recompute and input gradient read the bf16 copy; 6), and the fp32
+# gradient accumulation of the backward (read the accumulator and the gradient, write: 12).
+# The tick loop cannot hoist them (each tick slices its chunk). Read from the time model's
+# trace of llama3-8b pp 4 x dp 2 1F1B on h100-8 (0cd41eb): 0.15 s of converts and
+# accumulator adds; this term gives 0.19 s.
+TICK_WEIGHT_BYTES = 24.0
 
 
 @dataclass
@@ -193,6 +203,16 @@ def optimizer_time(model: ModelConfig, lay: LayoutConfig, mem_bw: float) -> floa
     return OPTIMIZER_BYTES * held / mem_bw
 
 
+def tick_weights(model: ModelConfig, lay: LayoutConfig, mem_bw: float, ex: Executor) -> float:
+    """Seconds a jaxpar pipeline's tick program spends casting its chunks' weights and
+    accumulating their gradients (``TICK_WEIGHT_BYTES`` per local parameter and micro-batch);
+    0 outside a pipeline (the micro-batch loop hoists the casts), under ZeRO-3 (the gathers
+    cast the shard; the reduce-scatters accumulate shards) and for other frameworks."""
+    if lay.pp == 1 or lay.zero >= 3 or not ex.follows_model:
+        return 0.0
+    return lay.microbatches * TICK_WEIGHT_BYTES * param_counts(model, lay).local / mem_bw
+
+
 def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0) -> tuple:
     """(figures, bubble seconds, pipeline comm terms) of a pipeline layout; ``moe_fwd``: a
     rank's MoE forward beyond its dense FFNs for one micro-batch."""
@@ -241,6 +261,7 @@ def step_cost(
         "compute": m * (layers * 3 * lt.compute + 3 * moe_fwd + head),
         "recompute": m * (layers * lt.recompute + (moe_fwd if lay.remat == "full" else 0.0)),
         "optimizer": optimizer_time(model, lay, mem_bw),
+        "tick_weights": tick_weights(model, lay, mem_bw, executor),
         "bubble": bubble,
         "offload": host / hw.host_to_device_bw,
         **{name: 0.0 for name in COMM_TERMS},

@@ -14,6 +14,7 @@ TERM_NAMES = {
     "compute": "compute",
     "recompute": "recompute (remat)",
     "optimizer": "optimizer update",
+    "tick_weights": "pipeline ticks' weight casts and gradient adds",
     "tp_comm": "exposed TP collectives",
     "sp_comm": "exposed sequence-parallel collectives",
     "bubble": "pipeline bubble",
