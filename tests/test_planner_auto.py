@@ -316,6 +316,11 @@ def test_planner_prices_what_the_compiled_gpu_program_overlaps():
     piped = dataclasses.replace(sp, tp=4, pp=2, microbatches=8)  # no ring hides it in a pipeline
     (tp,) = [c for c in evaluate(model, gpu, piped, shape).cost.comm if c.name == "tp_comm"]
     assert tp.hidden_s == 0 and tp.seconds > 0
+    wide = C.LayoutConfig(dp=4, tp=16, sequence_parallel=True, zero=3, compute_dtype="bfloat16")
+    a100 = C.load_mesh("a100-64").hardware  # tp 16 spans two nodes: the rings hide nothing
+    (tp,) = [c for c in evaluate(C.load_model("llama2-70b"), a100, wide, Shape(64, 4096))
+             .cost.comm if c.name == "tp_comm"]  # fmt: skip
+    assert tp.hidden_s == 0 and tp.link == "inter"
     # ZeRO-1: jaxpar reduces the accumulator after the last backward, nothing hides it
     z1 = C.LayoutConfig(dp=8, zero=1, microbatches=2, compute_dtype="bfloat16")
     mesh8 = C.load_mesh("a100-64").hardware  # fits: no memory-pressure rule involved

@@ -173,7 +173,8 @@ ZERO3_WINDOW = 0.2
 # RING_HIDDEN: Executor.ring_hidden. Calibrated on llama3-8b tp 8 + SP, h100-8 (0.135 of 0.199 s
 # of ring traffic hidden: 0.68); checked on the 70B pick's tp 2 rings (0.12 of 0.21 s: 0.57).
 # Inside a pipeline the program hides none of it (llama2-70b dp 4 x tp 8 + SP x pp 2, 1F1B:
-# 1.716 of 1.717 s exposed), so it is not applied there.
+# 1.716 of 1.717 s exposed), nor across nodes (dp 4 x tp 16 + SP on a100-64: 25.7 s of tp
+# exposed), so it is applied to neither.
 RING_HIDDEN = 0.68
 
 
