@@ -52,9 +52,10 @@ OPTIMIZER_BYTES = 30.0  # Adam: read p, g, m, v (fp32), write p, m, v, and the b
 # its chunks' weights: the fp32 -> bf16 cast in the forward tick (read 4, write 2) and again in
 # the backward tick (its recompute and input gradient read the bf16 copy; 6), and the fp32
 # gradient accumulation of the backward (read the accumulator and the gradient, write: 12).
-# The tick loop cannot hoist them (each tick slices its chunk). Read from the time model's
-# trace of llama3-8b pp 4 x dp 2 1F1B on h100-8 (0cd41eb): 0.15 s of converts and
-# accumulator adds; this term gives 0.19 s.
+# The tick loop cannot hoist them (each tick slices its chunk). Checked against the time
+# model's trace of llama3-8b pp 4 x dp 2 1F1B on h100-8, where the converts and accumulator
+# adds come to 0.15 s and this term to 0.19 s (BENCHMARKS.md, "The planner held to the
+# program").
 TICK_WEIGHT_BYTES = 24.0
 
 

@@ -159,22 +159,19 @@ PIPELINED_COLLECTIVES = (
 
 
 # What jaxpar's compiled XLA:GPU programs hide, read by the time model of the scheduled program
-# (jaxpar.gpu.timing, scripts/bench_gpu_grid.py, main at 789a50d, 2026-12-06). Each is calibrated
-# on one grid row and checked on others (BENCHMARKS.md, "The planner held to the program"):
+# (jaxpar.gpu.timing over scripts/bench_gpu_grid.py's rows). Each is calibrated on one grid row
+# and checked on others (BENCHMARKS.md, "The planner held to the program"):
 #
 # ZERO3_WINDOW: the share of a layer's neighbouring compute that hides its ZeRO-3 all-gather /
 # reduce-scatter (Executor.overlap_dp). XLA:GPU splits a layer's packed gather into one
 # collective per weight group and places each just ahead of its consumer, so a window holds
 # about one matmul of the layer's four to six, not the whole layer. Calibrated on llama2-70b
-# dp 32 x tp 2 + SP, 2 micro-batches, a100-64 (the program: 3.76 s of 5.62 s exposed; the
-# planner at 0.2: 3.72 s); checked on llama3-8b dp 8 ZeRO-3, h100-8 (program 0.019 s exposed,
-# planner 0.047 s, step 0.497 vs 0.482 s).
+# dp 32 x tp 2 + SP, 2 micro-batches, a100-64; checked on llama3-8b dp 8 ZeRO-3, h100-8.
 ZERO3_WINDOW = 0.2
-# RING_HIDDEN: Executor.ring_hidden. Calibrated on llama3-8b tp 8 + SP, h100-8 (0.135 of 0.199 s
-# of ring traffic hidden: 0.68); checked on the 70B pick's tp 2 rings (0.12 of 0.21 s: 0.57).
-# Inside a pipeline the program hides none of it (llama2-70b dp 4 x tp 8 + SP x pp 2, 1F1B:
-# 1.716 of 1.717 s exposed), nor across nodes (dp 4 x tp 16 + SP on a100-64: 25.7 s of tp
-# exposed), so it is applied to neither.
+# RING_HIDDEN: Executor.ring_hidden. Calibrated on llama3-8b tp 8 + SP, h100-8; checked on the
+# 70B pick's tp 2 rings. Inside a pipeline tick the program hides none of it (llama2-70b dp 4 x
+# tp 8 + SP x pp 2, 1F1B), nor across nodes (dp 4 x tp 16 + SP on a100-64: a ring step's send
+# outlasts its chunk matmul), so it is applied to neither.
 RING_HIDDEN = 0.68
 
 
