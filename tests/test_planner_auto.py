@@ -306,8 +306,9 @@ def test_planner_prices_what_the_compiled_gpu_program_overlaps():
 
     gpu, cpu = C.load_mesh("h100-8").hardware, C.load_mesh("cpu-8").hardware
     ex = F.for_target(gpu)
-    assert ex.overlap_dp == F.ZERO3_WINDOW and ex.ring_hidden == F.RING_HIDDEN
-    assert F.for_target(cpu).ring_hidden == 0 and F.for_target(cpu).overlap_dp == 1.0
+    assert ex.zero3_window == F.ZERO3_WINDOW and ex.ring_hidden == F.RING_HIDDEN
+    assert ex.overlap_dp == 1.0  # ZeRO-2's per-micro-batch buckets keep their window
+    assert F.for_target(cpu).ring_hidden == 0 and F.for_target(cpu).zero3_window == 1.0
     assert F.for_target(gpu, PR.MEGATRON_2022) == PR.MEGATRON_2022
     model, shape = C.load_model("llama3-8b"), Shape(8, 4096)
     sp = C.LayoutConfig(dp=1, tp=8, sequence_parallel=True, compute_dtype="bfloat16")

@@ -268,7 +268,7 @@ def _zero3_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> lis
     per_layer = pc.blocks / layers
     ag = call_time(hw, "all-gather", per_layer * r * wc, n, stride)
     rs = call_time(hw, "reduce-scatter", per_layer * r * wr, n, stride)
-    ov = ex.overlap_dp
+    ov = ex.overlap_dp * ex.zero3_window  # the compute the program places beside a call
     # forward: layer i+1's gather behind layer i's forward; the first has nothing before it
     fwd_exposed = ag.seconds + (layers - 1) * max(0.0, ag.seconds - ov * f_layer)
     pair = ag.seconds + rs.seconds  # backward: regather and reduce-scatter behind the layer's

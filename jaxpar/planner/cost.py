@@ -141,9 +141,9 @@ def layer_time(
         # no dot of its own) runs again in the backward
         recompute = attn
     tp, sp = CM.tp_calls(model, hw, lay, shape), CM.sp_calls(model, hw, lay, shape)
-    # the collective matmul's rings (Megatron-SP, outside a pipeline, inside one node: across
-    # nodes a ring step's send outlasts its chunk matmul; llama2-70b dp 4 x tp 16 + SP on
-    # a100-64 simulates 25.7 s of tp exposed in a 37.1 s step)
+    # the collective matmul's rings hide a share of the tp calls only outside a pipeline and
+    # inside one node (frameworks.RING_HIDDEN: across nodes a ring step's send outlasts its
+    # chunk matmul)
     ring = 0.0
     if lay.sequence_parallel and lay.tp > 1 and lay.pp == 1 and not crosses_nodes(hw, 1, lay.tp):
         ring = ex.ring_hidden
@@ -210,9 +210,9 @@ def optimizer_time(model: ModelConfig, lay: LayoutConfig, mem_bw: float) -> floa
 
 def tick_weights(model: ModelConfig, lay: LayoutConfig, mem_bw: float, ex: Executor) -> float:
     """Seconds a jaxpar pipeline's tick program spends casting its chunks' weights and
-    accumulating their gradients (``TICK_WEIGHT_BYTES`` per local parameter and micro-batch);
-    0 outside a pipeline (the micro-batch loop hoists the casts), under ZeRO-3 (the gathers
-    cast the shard; the reduce-scatters accumulate shards) and for other frameworks."""
+    accumulating their gradients (``TICK_WEIGHT_BYTES`` per local parameter and micro-batch).
+    Not priced outside a pipeline (not measured there), under ZeRO-3 (the gathers cast the
+    shard and the accumulated gradients are shards) or for other frameworks."""
     if lay.pp == 1 or lay.zero >= 3 or not ex.follows_model:
         return 0.0
     return lay.microbatches * TICK_WEIGHT_BYTES * param_counts(model, lay).local / mem_bw

@@ -84,6 +84,9 @@ class Executor:
       XLA:GPU program). Unlike ``overlap_tp`` it is a share of the calls, not of the matmuls:
       what stays exposed is structural (a backward ring step's two sends share one window and
       XLA:GPU runs one collective-permute at a time), so it scales with the traffic.
+    * ``zero3_window``: share of the neighbouring layer's compute a ZeRO-3 per-layer all-gather
+      or reduce-scatter actually has beside it in the compiled program (times ``overlap_dp``;
+      :data:`ZERO3_WINDOW` for jaxpar on a GPU, :func:`for_target`).
     * ``reduce_after_backward``: ZeRO 0/1 reduce the accumulated gradient after the last
       micro-batch's backward (jaxpar: one ``psum``/``psum_scatter`` of the accumulator, after a
       pipeline's last tick too), so nothing in the backward hides it; ``False``: the framework
@@ -119,6 +122,7 @@ class Executor:
     sp_grads_per_layer: bool = False
     ring_hidden: float = 0.0
     reduce_after_backward: bool = False
+    zero3_window: float = 1.0
 
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""
@@ -162,8 +166,8 @@ PIPELINED_COLLECTIVES = (
 # (jaxpar.gpu.timing over scripts/bench_gpu_grid.py's rows). Each is calibrated on one grid row
 # and checked on others (BENCHMARKS.md, "The planner held to the program"):
 #
-# ZERO3_WINDOW: the share of a layer's neighbouring compute that hides its ZeRO-3 all-gather /
-# reduce-scatter (Executor.overlap_dp). XLA:GPU splits a layer's packed gather into one
+# ZERO3_WINDOW: Executor.zero3_window, the share of a layer's neighbouring compute that hides its
+# ZeRO-3 all-gather / reduce-scatter. XLA:GPU splits a layer's packed gather into one
 # collective per weight group and places each just ahead of its consumer, so a window holds
 # about one matmul of the layer's four to six, not the whole layer. Calibrated on llama2-70b
 # dp 32 x tp 2 + SP, 2 micro-batches, a100-64; checked on llama3-8b dp 8 ZeRO-3, h100-8.
@@ -187,7 +191,7 @@ def for_target(hw, executor: Executor = JAXPAR) -> Executor:
         return executor
     pipelined = any(f in (hw.xla_flags or ()) for f in PIPELINED_COLLECTIVES)
     return executor.with_(zero3_layers=1.0 if pipelined else executor.zero3_layers,
-                          tick_grads=1.0, overlap_dp=min(executor.overlap_dp, ZERO3_WINDOW),
+                          tick_grads=1.0, zero3_window=ZERO3_WINDOW,
                           ring_hidden=RING_HIDDEN)  # fmt: skip
 
 
