@@ -293,8 +293,9 @@ def test_critical_path_through_a_pipelined_loop(n, rows, monkeypatch):
 
 
 def test_pipeline_branches_run_as_often_as_the_table_says():
-    """A conditional annotated with branch shares [0.25, 0.75] inside a 4-trip loop: the dot
-    branch runs 3 times, the empty one once."""
+    """A conditional annotated with branch shares [0.25, 0.75] inside a 4-trip loop, its
+    predicate not known to the walk (a float compare): the dot branch runs 3 times, the empty
+    one once."""
     n, mat = 2048, "bf16[2048,2048]"
     state = f"(s32[], {mat}, {mat})"
     scope = 'metadata={op_name="jit(f)/while/body/jaxpar_branches[0.25,0.75]/cond"}'
@@ -318,7 +319,8 @@ def test_pipeline_branches_run_as_often_as_the_table_says():
   %p = {state} parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
   %b = {mat}{{1,0}} get-tuple-element(%p), index=2
-  %pred = pred[] constant(true)
+  %f = f32[] constant(1)
+  %pred = pred[] compare(%f, %f), direction=EQ
   %c = {mat}{{1,0}} conditional(%pred, %p, %p), {branches}, {scope}
   %one = s32[] constant(1)
   %i1 = s32[] add(%i, %one)
@@ -344,7 +346,8 @@ ENTRY %main (a: {mat}, b: {mat}) -> {state} {{
     assert st.hardware_flops == 3 * 2.0 * n**3
     assert st.compute_s == pytest.approx(3 * _t_dot(n), rel=1e-6)
     assert st.assumptions == []
-    assert _path(st)[2] == {"d": 3, "i1": 4}  # the dot branch three times, the counter four
+    # the dot branch three times, the counter and the predicate four
+    assert _path(st)[2] == {"d": 3, "i1": 4, "pred": 4}
     unannotated = simulate(text.replace(scope, ""), MESH, HW)  # the slowest branch, each time
     assert unannotated.hardware_flops == 4 * 2.0 * n**3
     assert "no branch counts" in unannotated.assumptions[0]

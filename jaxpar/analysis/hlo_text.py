@@ -154,6 +154,40 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
     return comps, entry
 
 
+def program_text(compiled: Any) -> str:
+    """The optimized, scheduled HLO of ``compiled`` (a ``jax.stages.Compiled``) as
+    ``compiled.as_text()`` prints it, but with every constant's literal: ``as_text`` elides
+    large ones (``constant({...})``), among them the pipeline's schedule tables, which
+    :class:`Values` reads to know each rank's branch of a tick. Falls back to ``as_text()``
+    where the executable does not expose its module."""
+    try:
+        from jaxlib import _hlo
+
+        opts = _hlo.HloPrintOptions()
+        opts.print_large_constants = True
+        modules = compiled.runtime_executable().hlo_modules()
+        if len(modules) == 1:
+            return "\n".join(map(_elide_float_constant, modules[0].to_string(opts).split("\n")))
+    except (ImportError, AttributeError, RuntimeError, TypeError):
+        pass
+    return compiled.as_text()
+
+
+_CONSTANT = re.compile(r"%[\w.\-]+ = ([a-z]+\d*)\[[^\]]*\]\S* constant\(")
+
+
+def _elide_float_constant(line: str) -> str:
+    """``line`` with a large floating-point constant's literal elided (RoPE tables: megabytes
+    that say nothing about the schedule), as ``as_text`` prints it."""
+    if len(line) < 1000:
+        return line
+    m = _CONSTANT.search(line)
+    if not m or m.group(1) in _INT:
+        return line
+    end = line.find(")", m.end())
+    return line[: m.end()] + "{...}" + line[end:] if end > 0 else line
+
+
 def execution_counts(
     comps: dict[str, list[Instr]], entry: str
 ) -> tuple[dict[str, tuple[float, bool, bool]], list[str]]:
@@ -283,7 +317,9 @@ _INT = {"s8": np.int64, "s16": np.int64, "s32": np.int64, "s64": np.int64, "u8":
 _BINARY = {
     "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "maximum": np.maximum,
     "minimum": np.minimum, "remainder": np.fmod, "and": np.bitwise_and, "or": np.bitwise_or,
-    "xor": np.bitwise_xor,
+    "xor": np.bitwise_xor, "shift-left": np.left_shift,
+    "shift-right-logical": np.right_shift,  # partition ids and counters: not negative
+    "shift-right-arithmetic": np.right_shift,
 }  # fmt: skip
 _LOGICAL = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}
 _COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal,
@@ -327,8 +363,9 @@ class Values:
     LIMIT = 1 << 16  # elements of an array worth following
     MAX_TRIPS = 1 << 20  # iterations a loop is followed for
 
-    def __init__(self, comps: dict[str, list[Instr]]) -> None:
+    def __init__(self, comps: dict[str, list[Instr]], partition: int | None = None) -> None:
         self.comps = comps
+        self.partition = partition  # what ``partition-id`` reads: None, not known
         self._tables: dict[str, dict[str, Instr]] = {}
         self._plans: dict[str, list[Instr]] = {}
         self._wanted: dict[str, bool] = {}
@@ -455,6 +492,10 @@ class Values:
             if len(vals) != int(np.prod(dims, dtype=np.int64)):
                 return None
             return np.array(vals, dtype=dtype).reshape(dims)
+        if op == "partition-id":
+            return None if self.partition is None else np.array(self.partition, dtype=dtype)
+        if op == "replica-id":
+            return np.array(0, dtype=dtype)
         if op == "iota":
             m = re.search(r"iota_dimension=(\d+)", attrs)
             d = int(m.group(1)) if m else 0

@@ -167,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         return 1  # nothing fits the pod: the plan's verdict is printed
     plug = require_plugin()
     target = target_for(cfg.mesh, plug)
+    from jaxpar.analysis.hlo_text import program_text
     from jaxpar.distributed import run_xla_flags
     from jaxpar.gpu.compile import apply_flags, compile_step
     from jaxpar.gpu.report import estimate_lines, report
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         out["auto_layout"] = args.auto_layout
     if args.hlo is not None:
         with open(args.hlo, "x") as f:
-            f.write(compiled.compiled.as_text())
+            f.write(program_text(compiled.compiled))
     if args.save is not None:
         from jaxpar.gpu.saved import save
 

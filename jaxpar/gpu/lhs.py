@@ -118,8 +118,7 @@ def computation_times(text: str, mesh: Any, hw: HardwareConfig, comps_wanted: li
     for comp in comps_wanted:
         if comp not in comps:
             continue
-        sim = _Nested(comps, entry, hw, mesh, nodes)
-        sim.colls = colls
+        sim = _Nested(comps, entry, hw, mesh, nodes, colls)
         sim.run(comp, [None] * 64)
         exposed = sum(sim.exposed.values())
         out[comp] = {
@@ -189,8 +188,8 @@ def instruction_costs(text: str, mesh: Any, hw: HardwareConfig, xla: dict[str, d
     interpolator costs a bf16 × bf16 → f32 GEMM from its f32 table, ~10× slower)."""
     comps, entry = parse_module(text)
     where = {i.name: (c, i) for c, body in comps.items() for i in body}
-    sim = _Sim(comps, entry, hw, mesh, nodes)
-    sim.colls = {(c.computation, c.name): c for c in collective_bytes(text, mesh).collectives}
+    colls = {(c.computation, c.name): c for c in collective_bytes(text, mesh).collectives}
+    sim = _Sim(comps, entry, hw, mesh, nodes, colls)
     classes: dict[str, list[tuple[float, float]]] = {}
     for kind, costs in xla.items():
         classes.setdefault(kind, [])

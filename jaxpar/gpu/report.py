@@ -29,6 +29,7 @@ from typing import Any
 
 from jaxpar.analysis.hlo import compiled_memory
 from jaxpar.analysis.hlo_gpu import async_collectives, custom_calls, overlap_by_axes
+from jaxpar.analysis.hlo_text import program_text
 from jaxpar.config import RunConfig
 from jaxpar.gpu.compile import Compiled, planner_traffic
 
@@ -125,7 +126,7 @@ def estimate(cfg: RunConfig, c: Compiled, text: str | None = None) -> tuple[dict
     per_host = c.target.per_host
     nodes = [int(d.id) // per_host for d in np.ravel(c.mesh.devices)]
     try:
-        st = simulate(text or c.compiled.as_text(), c.mesh, cfg.mesh.hardware, nodes,
+        st = simulate(text or program_text(c.compiled), c.mesh, cfg.mesh.hardware, nodes,
                       model_flops / cfg.layout.n_devices)  # fmt: skip
     except ValueError as e:
         raise ConfigError(f"mesh {cfg.mesh.name!r}: {e}") from None
@@ -142,7 +143,7 @@ def report(cfg: RunConfig, c: Compiled, trace: str | None = None,
     Chrome trace (:func:`jaxpar.gpu.trace.write_trace`), recorded as ``trace``; ``timeline``:
     draw it there as a PNG Gantt chart (:func:`jaxpar.gpu.timeline.draw_timeline`), recorded
     as ``timeline``."""
-    text = c.compiled.as_text()
+    text = program_text(c.compiled)
     calls = custom_calls(text)
     axes, overlap = collectives(cfg, c)
     est, step = estimate(cfg, c, text)

@@ -17,11 +17,13 @@ order and follows what it calls:
   iterations are taken to be the same and are added without walking them, the integer values
   they leave in the state computed all the same (loops whose body holds an annotated
   conditional are always walked);
-* ``conditional``: a pipeline tick's switch states how often it takes each branch
-  (:func:`jaxpar.analysis.hlo_text.branch_weights`, from the schedule table); execution ``n``
-  takes the branch furthest behind its share (``argmax w_i·(n+1) − taken_i``), so the counts
-  are the table's. An unannotated conditional is assumed to take its slowest branch every time
-  (said in ``assumptions``);
+* ``conditional``: the branch its index says where the walk knows the index's value (a
+  pipeline tick's: the rank's row of the schedule table, a constant the program indexes by the
+  tick and ``partition-id``). Else, a pipeline tick's switch states how often it takes each
+  branch (:func:`jaxpar.analysis.hlo_text.branch_weights`, from the schedule table); execution
+  ``n`` takes the branch furthest behind its share (``argmax w_i·(n+1) − taken_i``), so the
+  counts are the table's. An unannotated conditional is assumed to take its slowest branch
+  every time (said in ``assumptions``);
 * ``call``: the callee, inline. Fusions, custom calls and the rest are kernels.
 
 Streams, as XLA:GPU runs them (``xla/backends/gpu``: a synchronous collective runs on the
@@ -42,8 +44,13 @@ Result (:class:`StepTime`): ``step_s`` = ``compute_s`` + ``exposed_s["total"]`` 
 stream is either running a kernel or waiting on a collective); TFLOP/s and MFU from the model's
 FLOPs (PaLM's convention, :func:`jaxpar.analysis.theory.train_flops_per_token`: recomputation
 not counted), ``hardware_flops`` the FLOPs the program's matmuls and attention kernels do.
-The program is one device's (SPMD); where a pipeline's ranks take different branches, the
-branch counts are the table's averages over ranks.
+The program is one device's (SPMD). A pipeline's ranks take different branches: one device of
+each is walked, side by side, each reading its own rows of the table, the walks meeting at the
+collectives over ``pp`` (:mod:`jaxpar.gpu.ranks`: a tick lasts as long as the slowest rank
+it exchanges with, and the others' wait is exposed ``pp`` time). The figures are those of the
+rank that ends the step last; ``ranks`` holds each rank's. Where the ranks' collectives do not
+pair up, one walk with the table's branch counts averaged over ranks (said in
+``assumptions``).
 
 **Critical path** (:class:`CriticalPath`): the chain of intervals that set the step's end, walked
 back from the event that ends the step along the dependency that set each one's start — a
@@ -76,9 +83,11 @@ from jaxpar.analysis.hlo_text import (
     callees,
     infer_trips,
     parse_module,
+    program_text,
 )
 from jaxpar.config import HardwareConfig
 from jaxpar.gpu.costs import Coster, Transfer, backend_config
+from jaxpar.gpu.ranks import Diverged, Rendezvous, pipeline_partitions, run_ranks
 
 COMPUTE, COLLECTIVE, P2P = "compute", "collective", "p2p"  # jaxpar.gpu.trace.STREAMS
 STREAMS = (COMPUTE, COLLECTIVE, P2P)
@@ -131,6 +140,18 @@ class CriticalPath:
 
 
 @dataclass
+class RankTime:
+    """One pipeline rank's walk (:mod:`jaxpar.gpu.ranks`): its device, when its step ends,
+    its compute seconds and its exposed seconds per mesh-axis set (the wait for the other
+    ranks at the collectives over ``pp`` included)."""
+
+    partition: int
+    end_s: float
+    compute_s: float
+    exposed_s: dict[str, float]
+
+
+@dataclass
 class StepTime:
     """The simulated step (module docstring)."""
 
@@ -146,6 +167,7 @@ class StepTime:
     events_dropped: int = 0
     assumptions: list[str] = field(default_factory=list)
     critical_path: CriticalPath | None = None
+    ranks: list[RankTime] = field(default_factory=list)  # a pipeline's, each walked (above)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON ``estimate`` keys (events left out)."""
@@ -159,6 +181,7 @@ class StepTime:
             "tflops_per_device": self.tflops_per_device,
             "mfu": self.mfu,
             "critical_path": self.critical_path.to_dict() if self.critical_path else None,
+            "ranks": [asdict(r) for r in self.ranks],
             "assumptions": list(self.assumptions),
         }
 
@@ -182,10 +205,15 @@ def _key(axes: tuple[str, ...]) -> str:
 
 
 class _Sim:
-    def __init__(self, comps, entry, hw, mesh, nodes) -> None:
+    def __init__(self, comps, entry, hw, mesh, nodes, colls, partition=None, rank=0,
+                 meet: Rendezvous | None = None) -> None:  # fmt: skip
         self.comps, self.entry, self.hw = comps, entry, hw
         self.coster = Coster(comps, hw, nodes)
-        self.values = Values(comps)
+        self.values = Values(comps, partition)
+        self.rank, self.meet = rank, meet  # a pipeline rank's walk (jaxpar.gpu.ranks)
+        self.parts: list[int] | None = None  # every rank's partition, where walked side by side
+        self.met = 0  # collectives over pp met so far
+        self.trying = 0  # inside a branch tried only to time it: no meeting
         self.read: list[int] = []  # trip counts read from values, in the order walked
         shape = tuple(int(s) for s in np.shape(mesh.devices))
         self.n_parts = int(np.prod(shape))
@@ -202,7 +230,8 @@ class _Sim:
         self.taken: dict[tuple[str, str], list[float]] = {}
         self.loops: list[str] = []
         self._cond_reach: dict[str, bool] = {}
-        self.colls: dict[tuple[str, str], Any] = {}
+        self.colls: dict[tuple[str, str], Any] = colls
+        self._pp_reach: dict[str, bool] = {}
         self.next_handle = 0
         self.unmatched: set[str] = set()
         self.path: Link = None  # the critical path to the compute stream's clock
@@ -243,6 +272,18 @@ class _Sim:
                     hit = hit or any(self.reaches_conditional(c) for c in callees(ins))
             self._cond_reach[comp] = hit
         return self._cond_reach[comp]
+
+    def reaches_pp(self, comp: str) -> bool:
+        """Whether ``comp`` (or what it calls) runs a collective over ``pp``."""
+        if comp not in self._pp_reach:
+            self._pp_reach[comp] = False  # cycles: no
+            hit = any("pp" in self.colls[(comp, i.name)].axes for i in self.comps.get(comp, [])
+                      if (comp, i.name) in self.colls)  # fmt: skip
+            for ins in self.comps.get(comp, []):
+                if ins.opcode in ("while", "call", "conditional", "async-start", "fusion"):
+                    hit = hit or any(self.reaches_pp(c) for c in callees(ins))
+            self._pp_reach[comp] = hit
+        return self._pp_reach[comp]
 
     # --------------------------------------------------------------------------- walking
 
@@ -345,16 +386,24 @@ class _Sim:
         sync = not started or bool(backend_config(ins).get("is_sync", False))
         stream = COMPUTE if sync else (P2P if kind in P2P_KINDS else COLLECTIVE)
         begin = self.t if sync else max(self.t, self.free[stream])
+        # it waited for the compute stream to reach its start, or for its stream to be free
+        after = self.path if sync or self.t >= self.free[stream] else self.free_path[stream]
+        if self.meet is not None and not self.trying and "pp" in tr.axes:
+            # the group spans pipeline ranks: it begins when the last of them reaches it
+            self.met += 1
+            begin, after = self.meet.meet(self.rank, self.met, ins.name, begin, after,
+                                          self._peers(ins) if kind in P2P_KINDS else None)
         end = begin + tr.seconds
+        if sync and begin > self.t:  # the compute stream waits for the other ranks
+            self.emit(Event("wait for pp ranks: " + ins.name, COMPUTE, self.t, begin - self.t,
+                            "wait", tr.axes, loop="/".join(self.loops)))  # fmt: skip
         self.emit(Event(ins.name, stream, begin, tr.seconds, kind, tr.axes,
                         om.group(1) if om else "", "/".join(self.loops)))  # fmt: skip
         if ins.name not in self.info:
             self.info[ins.name] = (kind, key, om.group(1) if om else "")
-        # it waited for the compute stream to reach its start, or for its stream to be free
-        after = self.path if sync or self.t >= self.free[stream] else self.free_path[stream]
         link = (after, ins.name, tr.seconds)
         if sync:
-            self.exposed[key] = self.exposed.get(key, 0.0) + tr.seconds
+            self.exposed[key] = self.exposed.get(key, 0.0) + end - self.t
             self.t = end
             self.path = link
             env[ins.name] = _SYNC
@@ -367,6 +416,20 @@ class _Sim:
             env[ins.name] = h
         return True
 
+    def _peers(self, ins: Instr) -> list[int] | None:
+        """The pipeline ranks a send/receive of this rank's exchanges with (its
+        ``source_target_pairs``), or None where the pairs are not printed."""
+        pm = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", ins.attrs)
+        if pm is None or self.parts is None:
+            return None
+        me = self.parts[self.rank]
+        out = set()
+        for a, b in re.findall(r"\{(\d+),(\d+)\}", pm.group(1)):
+            for x, y in ((int(a), int(b)), (int(b), int(a))):
+                if x == me and y != me and y in self.parts:
+                    out.add(self.parts.index(y))
+        return sorted(out)
+
     def conditional(self, comp: str, ins: Instr, env: dict) -> Any:
         called = callees(ins)
         pred = re.search(r"true_computation=%?([\w.\-]+).*false_computation=%?([\w.\-]+)",
@@ -375,7 +438,10 @@ class _Sim:
             called = [pred.group(2), pred.group(1)]
         args = [env.get(o) for o in ins.operands[1:]]
         weights = branch_weights(ins)
-        if weights is not None and len(weights) == len(called) and sum(weights) > 0:
+        k = env.get(ins.operands[0]) if ins.operands else None
+        if isinstance(k, np.ndarray) and k.shape == ():  # the program says which branch
+            i = int(bool(k)) if pred else min(max(int(k), 0), len(called) - 1)
+        elif weights is not None and len(weights) == len(called) and sum(weights) > 0:
             taken = self.taken.setdefault((comp, ins.name), [0.0] * len(called))
             n = sum(taken)
             i = int(np.argmax([w * (n + 1) - t for w, t in zip(weights, taken, strict=True)]))
@@ -385,10 +451,12 @@ class _Sim:
             if note not in self.assumptions:
                 self.assumptions.append(note)
             start, ends = self.snapshot(), []
+            self.trying += 1
             for j, c in enumerate(called):
                 self.run(c, [args[j] if j < len(args) else None])
                 ends.append(self.t)
                 self.restore(start)
+            self.trying -= 1
             i = int(np.argmax(ends))
         return self.run(called[i], [args[i] if i < len(args) else None])
 
@@ -430,7 +498,9 @@ class _Sim:
         if not bm or bm.group(1) not in self.comps:
             return state
         body, n = bm.group(1), self.trips(comp, ins, state)
-        steady = not self.reaches_conditional(body)
+        steady = not self.reaches_conditional(body) and not (
+            self.meet is not None and self.reaches_pp(body)
+        )  # every rank walks it all
         prev = None
         i = 0
         while i < n:
@@ -617,11 +687,51 @@ def simulate(
     ``p // hw.devices_per_node``); ``model_flops`` per device per step for TFLOP/s and MFU.
     """
     check_hardware(hw)
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    text = compiled_or_text if isinstance(compiled_or_text, str) else program_text(compiled_or_text)
     comps, entry = parse_module(text)
-    sim = _Sim(comps, entry, hw, mesh, nodes)
-    sim.colls = {(c.computation, c.name): c for c in collective_bytes(text, mesh).collectives}
-    sim.run(entry, [])
+    colls = {(c.computation, c.name): c for c in collective_bytes(text, mesh).collectives}
+    parts = pipeline_partitions(mesh)
+    notes: list[str] = []
+    if len(parts) > 1:
+        try:
+            def one(r: int, meet: Rendezvous) -> tuple[_Sim, Link]:
+                sim = _Sim(comps, entry, hw, mesh, nodes, colls, parts[r], r, meet)
+                sim.parts = parts
+                return _walk(sim)
+
+            sims = run_ranks(one, parts)
+        except Diverged as e:
+            notes.append(
+                f"pipeline ranks not walked side by side ({e}): one walk, each "
+                "conditional's branches by the schedule's counts averaged over ranks"
+            )
+            sims = [_walk(_Sim(comps, entry, hw, mesh, nodes, colls))]
+    else:
+        sims = [_walk(_Sim(comps, entry, hw, mesh, nodes, colls))]
+    sim, end = max(sims, key=lambda x: x[0].t)  # the rank that ends the step
+    for other, _ in sims:
+        for name, got in other.info.items():
+            sim.info.setdefault(name, got)
+        notes += [a for a in other.assumptions if a not in notes]
+    exposed = dict(sorted(sim.exposed.items()))
+    exposed["total"] = sum(sim.exposed.values())
+    comm = dict(sorted(sim.comm.items()))
+    comm["total"] = sum(sim.comm.values())
+    out = StepTime(sim.t, sim.compute_s, exposed, comm, sim.flops, events=sim.events,
+                   events_dropped=sim.dropped, assumptions=notes,
+                   critical_path=sim.critical_path(end, list(sim.exposed)),
+                   ranks=[_rank_figures(x, parts[i] if len(sims) > 1 else 0)
+                          for i, (x, _) in enumerate(sims)] if len(sims) > 1 else [])  # fmt: skip
+    if model_flops is not None and sim.t > 0:
+        out.model_flops = model_flops
+        out.tflops_per_device = model_flops / sim.t / 1e12
+        out.mfu = model_flops / sim.t / hw.peak_flops_bf16
+    return out
+
+
+def _walk(sim: _Sim) -> tuple[_Sim, Link]:
+    """Walk the entry computation; the simulation and the critical path to the step's end."""
+    sim.run(sim.entry, [])
     if sim.unmatched:
         names = sorted(sim.unmatched)
         sim.assumptions.append(f"{len(names)} collective done(s) whose start was not traced "
@@ -630,18 +740,10 @@ def simulate(
     for h in sim.handles.values():  # a collective the step never waits for still ends in it
         if h.end > sim.t:
             sim.t, end = h.end, h.path
+    return sim, end
+
+
+def _rank_figures(sim: _Sim, partition: int) -> RankTime:
     exposed = dict(sorted(sim.exposed.items()))
     exposed["total"] = sum(sim.exposed.values())
-    comm = dict(sorted(sim.comm.items()))
-    comm["total"] = sum(sim.comm.values())
-    out = StepTime(sim.t, sim.compute_s, exposed, comm, sim.flops, events=sim.events,
-                   events_dropped=sim.dropped, assumptions=sim.assumptions,
-                   critical_path=sim.critical_path(end, list(sim.exposed)))  # fmt: skip
-    if model_flops is not None and sim.t > 0:
-        out.model_flops = model_flops
-        out.tflops_per_device = model_flops / sim.t / 1e12
-        out.mfu = model_flops / sim.t / hw.peak_flops_bf16
-    return out
-
-
-__all__ = ["CriticalPath", "Event", "PathOp", "StepTime", "check_hardware", "simulate"]
+    return RankTime(partition, sim.t, sim.compute_s, exposed)

@@ -3,6 +3,10 @@
 Costs are per full pipeline stage (``f``, ``b``, ``i``, ``w``; ``b`` defaults to ``i + w``);
 a chunk of a schedule with ``v`` virtual stages per rank costs ``1/v`` of that, so every
 schedule does the same total work ``m * (f + b)`` per rank and bubbles compare directly.
+``head`` (forward, backward) is what the last stage adds to each micro-batch's forward and to
+its backward (``B``, or ``I``: the loss's gradient comes first): the output head and loss,
+which make the last stage the slowest (the time model of the compiled program walks each
+rank's branches and sees it; :mod:`jaxpar.gpu.ranks`).
 
 * Asynchronous: each rank runs its order; an action starts when the rank is free and its
   dependencies have ended (communication is free). ``bubble_fraction`` is
@@ -22,6 +26,7 @@ schedule does the same total work ``m * (f + b)`` per rank and bubbles compare d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -58,9 +63,11 @@ def action_costs(
 
 
 def simulate_async(
-    schedule: Schedule, costs: dict[str, float]
+    schedule: Schedule, costs: dict[str, float] | Callable[[Action], float]
 ) -> dict[Action, tuple[float, float]]:
-    """Event-driven timing: ``(start, end)`` of every action, ranks in their own order."""
+    """Event-driven timing: ``(start, end)`` of every action, ranks in their own order;
+    ``costs`` per action kind, or a function of the action."""
+    cost = costs if callable(costs) else (lambda a: costs[a.kind])
     orders, p = schedule.orders, schedule.p
     bwd = backward_kind(orders)
     times: dict[Action, tuple[float, float]] = {}
@@ -77,7 +84,7 @@ def simulate_async(
                 if any(d not in times for d in deps):
                     break
                 start = max([free[r]] + [times[d][1] for d in deps])
-                free[r] = start + costs[a.kind]
+                free[r] = start + cost(a)
                 times[a] = (start, free[r])
                 ptr[r] += 1
                 remaining -= 1
@@ -116,12 +123,23 @@ def _peaks(rows, schedule: Schedule) -> list[int]:
 
 
 def stats(
-    schedule: Schedule, f: float = 1.0, b: float | None = None, i: float = 1.0, w: float = 1.0
+    schedule: Schedule,
+    f: float = 1.0,
+    b: float | None = None,
+    i: float = 1.0,
+    w: float = 1.0,
+    head: tuple[float, float] = (0.0, 0.0),
 ) -> ScheduleStats:
     """Asynchronous and lock-step statistics of ``schedule`` (see the module docstring)."""
-    costs = action_costs(schedule, f, b, i, w)
-    times = simulate_async(schedule, costs)
-    busy = [sum(costs[a.kind] for a in row) for row in schedule.orders]
+    kinds = action_costs(schedule, f, b, i, w)
+    head_stage = schedule.num_stages - 1
+    extra = {Kind.F: head[0], Kind.B: head[1], Kind.I: head[1]}
+
+    def cost(a: Action) -> float:
+        return kinds[a.kind] + (extra.get(a.kind, 0.0) if a.stage == head_stage else 0.0)
+
+    times = simulate_async(schedule, cost)
+    busy = [sum(cost(a) for a in row) for row in schedule.orders]
     makespan = max(end for _, end in times.values())
     firsts, spans = [], []
     for r, row in enumerate(schedule.orders):
@@ -130,7 +148,7 @@ def stats(
         firsts.append(first)
         spans.append(1.0 - busy[r] / (last - first))
     tick_len = [
-        max(sum(costs[a.kind] for a in cell) for cell in col)
+        max(sum(cost(a) for a in cell) for cell in col)
         for col in zip(*schedule.ticks, strict=True)
     ]
     lock_makespan = sum(tick_len)

@@ -22,7 +22,9 @@ of ``b`` sequences of ``s`` tokens per dp rank, ``tokens = b·s/sp`` local token
 * **Pipeline**: the schedule library's makespan (lock-step for jaxpar's executor, asynchronous
   for other frameworks: :class:`jaxpar.planner.frameworks.Executor`) with the real action costs
   F, B (3F under full recompute), I and W (:func:`action_costs`), in units of the stage's
-  forward; the last stage's head and loss sit on the critical path once per micro-batch.
+  forward, and the last stage's head and loss on that stage's actions (a third in its
+  forward, two thirds in its backward): the last stage is the slowest, and a lock-step tick
+  lasts as long as it.
 * **Host transfers**: offloaded optimizer/params and activations over ``host_to_device_bw``.
 * **Pipeline tick weights** (jaxpar's executor): each tick casts its chunk's weights and the
   backward adds its gradient into the fp32 accumulator (:func:`tick_weights`).
@@ -30,7 +32,7 @@ of ``b`` sequences of ``s`` tokens per dp rank, ``tokens = b·s/sp`` local token
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
@@ -218,18 +220,20 @@ def tick_weights(model: ModelConfig, lay: LayoutConfig, mem_bw: float, ex: Execu
     return lay.microbatches * TICK_WEIGHT_BYTES * param_counts(model, lay).local / mem_bw
 
 
-def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0) -> tuple:
+def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0, head=0.0) -> tuple:
     """(figures, bubble seconds, pipeline comm terms) of a pipeline layout; ``moe_fwd``: a
-    rank's MoE forward beyond its dense FFNs for one micro-batch."""
+    rank's MoE forward beyond its dense FFNs for one micro-batch; ``head``: the last stage's
+    head and loss for one micro-batch (:func:`head_time`)."""
     if lay.pp == 1:
         return None, 0.0, []
     layers = model.n_layers // lay.pp
     from jaxpar.pipeline.step_tables import stage_collectives
 
     every_tick = ex.lockstep and not stage_collectives(lay.tp, lay.sp, lay.ep, lay.zero)
+    f_stage = layers * lt.forward + moe_fwd
+    costs = replace(costs, head=(head / 3 / f_stage, 2 * head / 3 / f_stage))
     pf = figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, ex.lockstep,
                  memory=lay.pipeline_memory, every_tick=every_tick)  # fmt: skip
-    f_stage = layers * lt.forward + moe_fwd
     bubble = max(0.0, (pf.makespan - pf.busy) * f_stage)
     tick = f_stage / lay.virtual  # one chunk's forward: the compute beside a send
     return pf, bubble, [CM.pp_term(model, hw, lay, shape, pf.sends, tick, ex.overlap_p2p)]
@@ -255,7 +259,7 @@ def step_cost(
     moe_fwd = 0.0  # this rank's MoE layers (a pipeline stage holds pp-th of them)
     if model.moe.enabled:
         moe_fwd = model.moe_layers() // lay.pp * moe_ffn_delta(model, hw, lay, shape)
-    pf, bubble, pp_terms = _pipeline(model, hw, lay, shape, executor, lt, costs, moe_fwd)
+    pf, bubble, pp_terms = _pipeline(model, hw, lay, shape, executor, lt, costs, moe_fwd, head)
     comm = [*CM.layer_terms(lt, layers * m, lay.remat == "full"), *pp_terms]
     comm += CM.dp_terms(model, hw, lay, shape, lt, executor)
     comm += CM.sp_grad_terms(model, hw, lay, executor)

@@ -1,12 +1,13 @@
 """The planner's one adapter to the schedule library (:mod:`jaxpar.pipeline`).
 
 Everything the cost model knows about a pipeline comes from the library's own tables and timing
-functions, called here with the real per-action costs: the lock-step makespan (a tick lasts as
-long as its slowest rank's work, which is how jaxpar's executor runs the table) or the
-asynchronous one (other frameworks' runtimes), the ticks, the messages each rank sends, the
-peak stashes per rank and the executor's buffer slots. When the library changes how it builds
-its tables (fused ticks: one F and one B per rank and tick), the planner sees the new figures
-without a model of its own. The library's function names appear only in :func:`_measure`.
+functions, called here with the real per-action costs: the lock-step makespan (the ranks coupled
+at each tick's sends, which is how jaxpar's executor runs the table:
+:mod:`jaxpar.pipeline.coupled`) or the asynchronous one (other frameworks' runtimes), the
+ticks, the messages each rank sends, the peak stashes per rank and the executor's buffer slots.
+When the library changes how it builds its tables (fused ticks: one F and one B per rank and
+tick), the planner sees the new figures without a model of its own. The library's function
+names appear only in :func:`_measure`.
 
 Building a schedule with many micro-batches costs tens of milliseconds, so figures for ``m``
 beyond ``2p`` are extrapolated from ``m0 = 2p + m mod p``: past the warm-up the steady phase
@@ -29,12 +30,15 @@ class ActionCosts:
     """Time of each action of one full stage (all its layers) in units of its forward F.
 
     ``b``: a full backward (2, or 3 when the forward is recomputed); ``i``/``w``: the two halves
-    of a split backward (input gradient, weight gradient) for zero-bubble schedules.
+    of a split backward (input gradient, weight gradient) for zero-bubble schedules; ``head``:
+    what the last stage adds to each micro-batch's forward and backward (the output head and
+    loss: :func:`jaxpar.pipeline.timing.stats`).
     """
 
     b: float = 2.0
     i: float = 1.0
     w: float = 1.0
+    head: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -99,17 +103,24 @@ def _table(kind: str, p: int, m: int, v: int, memory: str, every_tick: bool) -> 
              table.slots.dys)  # fmt: skip
     st = stats(sched)
     # Lock-step peaks: what the executor holds (the memory mode's table: lean caps them).
-    return sched, st.lockstep_ticks, int(np.max(remote)), tuple(st.peak_stashes), slots
+    return tables, st.lockstep_ticks, int(np.max(remote)), tuple(st.peak_stashes), slots
 
 
 @lru_cache(maxsize=8192)
 def _measure(kind: str, p: int, m: int, v: int, costs: ActionCosts, lockstep: bool,
              memory: str, every_tick: bool) -> tuple:  # fmt: skip
+    from jaxpar.pipeline.coupled import coupled_makespan
     from jaxpar.pipeline.timing import stats
 
-    sched, ticks, sends, peaks, slots = _table(kind, p, m, v, memory, every_tick)
-    st = stats(sched, f=1.0, b=costs.b, i=costs.i, w=costs.w)
-    makespan = st.lockstep_makespan if lockstep else st.makespan
+    tables, ticks, sends, peaks, slots = _table(kind, p, m, v, memory, every_tick)
+    st = stats(tables.schedule, f=1.0, b=costs.b, i=costs.i, w=costs.w, head=costs.head)
+    if lockstep:  # jaxpar's executor: the ranks coupled at each tick's sends, each send
+        # exposed (XLA:GPU placed the every-tick cotangent send's end before the forward on
+        # the grid's pp 4 rows: jaxpar.pipeline.coupled)
+        makespan = coupled_makespan(tables, 1.0, costs.b, costs.i, costs.w, costs.head,
+                                    overlap=False)  # fmt: skip
+    else:
+        makespan = st.makespan
     return makespan, st.busy_per_rank, ticks, sends, peaks, slots
 
 
@@ -136,7 +147,7 @@ def figures(
     for combinations the library refuses.
     """
     if p == 1:
-        busy = m * (1.0 + costs.b)
+        busy = m * (1.0 + costs.b + sum(costs.head))
         return PipeFigures(busy, busy, m, 0, (1,), (0, 0, 1), False)
     err = schedule_error(kind, p, m, v, memory)
     if err:
@@ -144,7 +155,9 @@ def figures(
     m0 = m if exact or m <= 2 * p else 2 * p + m % p
     # Timing is piecewise linear in the cost ratios: steps of 0.05 keep the cache small (a
     # search costs thousands of layouts whose ratios differ in the third decimal).
-    costs = ActionCosts(*(round(x * 20) / 20 for x in (costs.b, costs.i, costs.w)))
+    step = lambda x: round(x * 20) / 20  # noqa: E731
+    costs = ActionCosts(step(costs.b), step(costs.i), step(costs.w),
+                        (step(costs.head[0]), step(costs.head[1])))  # fmt: skip
     makespan, busy, ticks, sends, peaks, slots = _measure(kind, p, m0, v, costs, lockstep, memory,
                                                           every_tick)  # fmt: skip
     extra = m - m0

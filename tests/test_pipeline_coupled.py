@@ -1,0 +1,45 @@
+"""The lock-step makespan with the ranks coupled at each tick's sends (jaxpar.pipeline.coupled),
+and the last stage's head in the schedule's timing (jaxpar.pipeline.timing.stats)."""
+
+import pytest
+
+from jaxpar.pipeline.coupled import coupled_makespan, phase_costs
+from jaxpar.pipeline.step_tables import StepTables
+from jaxpar.pipeline.timing import stats
+
+HEAD = (0.5, 1.0)  # the head's forward and backward, in units of a stage's forward
+
+
+def test_one_f_one_b_on_two_ranks_by_hand():
+    """1F1B, p = 2, m = 2, F = 1, B = 2, head (0.5, 1): rank 1 runs FB ticks of
+    1 + 2 + 0.5 + 1 = 4.5. Tick 0: rank 0's F (1), its activation sent: both at 1. Tick 1:
+    rank 1's FB ends at 5.5; its cotangent's send holds rank 0 there, so rank 0's F runs
+    5.5 → 6.5 after it, not beside it, and its send holds rank 1 to 6.5. Tick 2: rank 1's FB
+    ends at 11, rank 0's B (2) waits for it. Tick 3: rank 0's B ends at 13. Timed as each tick
+    lasting as long as its slowest rank: 1 + 4.5 + 4.5 + 2 = 12."""
+    t = StepTables.make("1f1b", 2, 2, 1, 2)
+    back, fwd = phase_costs(t, 1.0, 2.0, 1.0, 1.0, HEAD)
+    assert back.T.tolist() == [[0, 0, 2, 2], [0, 4.5, 4.5, 0]]
+    assert fwd.T.tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]
+    assert coupled_makespan(t, 1.0, 2.0, 1.0, 1.0, HEAD, overlap=False) == pytest.approx(13.0)
+    assert stats(t.schedule, 1.0, 2.0, 1.0, 1.0, HEAD).lockstep_makespan == pytest.approx(12.0)
+
+
+def test_head_lengthens_the_last_stage_only():
+    """The head adds to the last stage's actions: its busy time by m·(head), the others' not."""
+    t = StepTables.make("1f1b", 4, 8, 1, 4)
+    plain = stats(t.schedule, 1.0, 2.0)
+    head = stats(t.schedule, 1.0, 2.0, head=HEAD)
+    assert head.busy_per_rank == pytest.approx(plain.busy_per_rank + 8 * sum(HEAD))
+    assert head.makespan > plain.makespan and head.lockstep_makespan > plain.lockstep_makespan
+
+
+def test_every_tick_send_in_flight_during_the_forward_hides_the_wait():
+    """A route sent every tick (1F1B, p = 4, m = 8) with the forward in its window waits for
+    its peers after the forward: never longer than waiting before it, and shorter here."""
+    t = StepTables.make("1f1b", 4, 8, 1, 4)
+    assert any(r.every_tick for r in t.sends)
+    hidden = coupled_makespan(t, 1.0, 2.0, head=HEAD, overlap=True)
+    exposed = coupled_makespan(t, 1.0, 2.0, head=HEAD, overlap=False)
+    lockstep = stats(t.schedule, 1.0, 2.0, head=HEAD).lockstep_makespan
+    assert lockstep <= hidden < exposed
