@@ -391,8 +391,14 @@ class _Sim:
         if self.meet is not None and not self.trying and "pp" in tr.axes:
             # the group spans pipeline ranks: it begins when the last of them reaches it
             self.met += 1
-            begin, after = self.meet.meet(self.rank, self.met, ins.name, begin, after,
-                                          self._peers(ins) if kind in P2P_KINDS else None)
+            begin, after = self.meet.meet(
+                self.rank,
+                self.met,
+                ins.name,
+                begin,
+                after,
+                self._peers(ins) if kind in P2P_KINDS else None,
+            )
         end = begin + tr.seconds
         if sync and begin > self.t:  # the compute stream waits for the other ranks
             self.emit(Event("wait for pp ranks: " + ins.name, COMPUTE, self.t, begin - self.t,
@@ -692,13 +698,14 @@ def simulate(
     colls = {(c.computation, c.name): c for c in collective_bytes(text, mesh).collectives}
     parts = pipeline_partitions(mesh)
     notes: list[str] = []
+
+    def one(r: int, meet: Rendezvous) -> tuple[_Sim, Link]:
+        sim = _Sim(comps, entry, hw, mesh, nodes, colls, parts[r], r, meet)
+        sim.parts = parts
+        return _walk(sim)
+
     if len(parts) > 1:
         try:
-            def one(r: int, meet: Rendezvous) -> tuple[_Sim, Link]:
-                sim = _Sim(comps, entry, hw, mesh, nodes, colls, parts[r], r, meet)
-                sim.parts = parts
-                return _walk(sim)
-
             sims = run_ranks(one, parts)
         except Diverged as e:
             notes.append(

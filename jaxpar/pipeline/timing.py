@@ -148,8 +148,7 @@ def stats(
         firsts.append(first)
         spans.append(1.0 - busy[r] / (last - first))
     tick_len = [
-        max(sum(cost(a) for a in cell) for cell in col)
-        for col in zip(*schedule.ticks, strict=True)
+        max(sum(cost(a) for a in cell) for cell in col) for col in zip(*schedule.ticks, strict=True)
     ]
     lock_makespan = sum(tick_len)
     total_busy = sum(busy)
