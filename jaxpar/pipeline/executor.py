@@ -7,13 +7,16 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
 * One ``lax.scan`` over the ticks of a :class:`~jaxpar.pipeline.tables.TickTable` (compile
   time does not depend on ``m``), carrying a :class:`Carry`. A tick runs a **backward phase**
   (idle, ``B``, ``I``, ``W``, or ``FB``: the last stage's forward and backward of one
-  micro-batch) and starts the send of its input cotangent, then a **forward phase** (idle or
-  ``F``) while that send is in flight, then sends its activation once the cotangent has
-  arrived. The backward goes first: its stash slot is free by the time the forward's stash
-  exists. The forward's parameters and input wait behind the backward
-  (:meth:`_Program._behind`); where the forward runs collectives of its own (tp, sp, ep,
-  ZeRO-3) they wait behind the cotangent's send too, as every send did before (one order of
-  collectives on every device). Each phase
+  micro-batch), then a **forward phase** (idle or ``F``), then the sends: its input
+  cotangent's, then its activation's. Where a cotangent route is sent every tick (below), its
+  send starts after the backward instead and is in flight during the forward. The backward
+  goes first: its stash slot is free by the time the forward's stash exists. The forward's
+  parameters and input wait behind the backward (:meth:`_Program._behind`), the sends behind
+  the forward: one order of collectives on every device. A send holds a rank until its peers
+  reach it, so a cotangent sent before the forward (and waited for before it) would hold each
+  rank's forward until its neighbours' backward phases had ended — the last stage's ``FB``,
+  forward, backward, head and loss in one tick, the longest of them — and a tick would last
+  longer than its slowest rank (:mod:`jaxpar.pipeline.coupled`). Each phase
   is one ``lax.switch``/``lax.cond`` on the rank's row; the backward is explicit
   (:mod:`jaxpar.pipeline.stage`): never autodiff through a switch.
 * **Nothing replicated that one rank uses**: stage 0 embeds each micro-batch's tokens in its
@@ -267,15 +270,15 @@ class _Program(BackwardActions):
         return out
 
     def tick(self, c: Carry, xs: TickIn) -> tuple[Carry, None]:
-        """One scan step: backward phase, its send started, forward phase, the cotangent's
-        arrival, the activation's send, the writes."""
-        row, bo, after, prog, acc = xs.row, None, 0, self, None
+        """One scan step: backward phase, its send started (in flight during the forward:
+        ``overlap``), forward phase, the cotangent's arrival (else its send now), the
+        activation's send, the writes."""
+        row, bo, after, prog, acc, arr_grad = xs.row, None, 0, self, None, None
         if self.train:
-            bo, acc, arr_grad = self._backward_phase(c, xs)
+            bo, acc = self._backward_phase(c, xs)
             if self.overlap:  # the send in flight while the forward computes
-                prog, (bo,) = self._behind(bo)
-            else:
-                prog, (bo, arr_grad) = self._behind(bo, arr_grad)
+                arr_grad = self.send("grad", bo.dx, xs)
+            prog, (bo,) = self._behind(bo)
             after = ops.zero_after(bo.dx)  # the forward (and its slot writes) after the backward
         # The stash and taps slots this tick's forward fills; an idle forward hands back what
         # they hold (ops.put_all writes them either way).
@@ -299,6 +302,16 @@ class _Program(BackwardActions):
             # The backward's outputs stay out of it: held across the forward they cost 3.3 GiB
             # on the pp4-1f1b row (BENCHMARKS.md).
             fo, arr_grad = jax.lax.optimization_barrier((fo, arr_grad))
+        elif self.train:
+            # The cotangent's send after the forward, beside the activation's: sent before the
+            # forward (the forward behind its arrival), a rank's forward waited for its
+            # neighbours' backward phases, the last stage's FB the longest of them, and the
+            # ticks lasted longer than their slowest rank (jaxpar.pipeline.coupled). The
+            # forward's collectives come first, then the two sends in one order on every
+            # device: each waits for what precedes it.
+            fo, dx = jax.lax.optimization_barrier((fo, bo.dx))
+            arr_grad = self.send("grad", dx, xs)
+            fo, arr_grad = jax.lax.optimization_barrier((fo, arr_grad))
         arr_act = self.send("act", fo.y, xs)
         loss = fo.loss + bo.loss if self.tables.has_fb else fo.loss  # FB's loss: backward's
         c = dataclasses.replace(c, loss=c.loss + loss, stats=self._add_stats(c.stats, row, fo, bo))
@@ -308,8 +321,8 @@ class _Program(BackwardActions):
         return dataclasses.replace(c, act=act), None
 
     def _behind(self, *done):
-        """This program with parameters that exist only once ``done`` (the backward phase, and
-        its send where the forward has collectives of its own) does, and ``done``.
+        """This program with parameters that exist only once ``done`` (the backward phase)
+        does, and ``done``.
         Without it the forward's collectives (ZeRO-3 gathers, ring attention's all-to-alls)
         could start while the backward's were still being issued, in different orders on
         different devices: XLA's CPU runtime runs independent work concurrently and a device
@@ -322,8 +335,8 @@ class _Program(BackwardActions):
         return prog, done
 
     def _backward_phase(self, c: Carry, xs: TickIn):
-        """The backward switch (B, I, W or FB) and its send; returns its outputs, the gradient
-        accumulators (added to in the branch that computed a gradient) and the arrivals."""
+        """The backward switch (B, I, W or FB); returns its outputs and the gradient
+        accumulators (added to in the branch that computed a gradient)."""
         row, fb = xs.row, self.tables.has_fb
         g = ops.slot(c.grad, row.b_in)
         if self.n.cot:
@@ -344,7 +357,7 @@ class _Program(BackwardActions):
             # every backward collective is (one order of collectives on every device, _behind).
             bo, embed = jax.lax.optimization_barrier((bo, embed))
         acc = dataclasses.replace(acc, embed=embed, head=c.acc_head if not fb else acc.head)
-        return bo, acc, self.send("grad", bo.dx, xs)
+        return bo, acc
 
     def _add_stats(self, acc: Any, row: TickTable, fo: ForwardOut, bo: BackwardOut | None):
         """The layers' statistics of this tick's forward (a plain F's, or an FB's) added to

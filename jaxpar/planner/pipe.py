@@ -118,7 +118,7 @@ def _measure(kind: str, p: int, m: int, v: int, costs: ActionCosts, lockstep: bo
         # exposed (XLA:GPU placed the every-tick cotangent send's end before the forward on
         # the grid's pp 4 rows: jaxpar.pipeline.coupled)
         makespan = coupled_makespan(tables, 1.0, costs.b, costs.i, costs.w, costs.head,
-                                    overlap=False)  # fmt: skip
+                                    overlap=False, every_tick=every_tick)  # fmt: skip
     else:
         makespan = st.makespan
     return makespan, st.busy_per_rank, ticks, sends, peaks, slots
