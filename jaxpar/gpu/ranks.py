@@ -19,7 +19,7 @@ as the slowest rank it exchanges with, and the time a rank waits — the pipelin
 its imbalance (the head's extra work on the last stage) — is exposed ``pp`` time.
 
 The ranks must reach the same collectives over ``pp`` in the same order (the executor's sends
-sit outside the branches, or in switches indexed by the tick alone); where they do not,
+sit in switches indexed by the tick alone); where they do not,
 :class:`Diverged` stops every walk and the caller falls back to one walk with branch counts
 averaged over ranks.
 """

@@ -8,15 +8,14 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
   time does not depend on ``m``), carrying a :class:`Carry`. A tick runs a **backward phase**
   (idle, ``B``, ``I``, ``W``, or ``FB``: the last stage's forward and backward of one
   micro-batch), then a **forward phase** (idle or ``F``), then the sends: its input
-  cotangent's, then its activation's. Where a cotangent route is sent every tick (below), its
-  send starts after the backward instead and is in flight during the forward. The backward
-  goes first: its stash slot is free by the time the forward's stash exists. The forward's
-  parameters and input wait behind the backward (:meth:`_Program._behind`), the sends behind
-  the forward: one order of collectives on every device. A send holds a rank until its peers
-  reach it, so a cotangent sent before the forward (and waited for before it) would hold each
-  rank's forward until its neighbours' backward phases had ended — the last stage's ``FB``,
-  forward, backward, head and loss in one tick, the longest of them — and a tick would last
-  longer than its slowest rank (:mod:`jaxpar.pipeline.coupled`). Each phase
+  cotangent's, then its activation's. The backward goes first: its stash slot is free by the
+  time the forward's stash exists. The forward's parameters and input wait behind the backward
+  (:meth:`_Program._behind`), the sends behind the forward: one order of collectives on every
+  device. A send holds a rank until its peers reach it, so a cotangent sent before the forward
+  and waited for before it would hold each rank's forward until its neighbours' backward
+  phases had ended — the last stage's ``FB``, forward, backward, head and loss in one tick,
+  the longest of them — and a tick would last longer than its slowest rank
+  (:mod:`jaxpar.pipeline.coupled`). Each phase
   is one ``lax.switch``/``lax.cond`` on the rank's row; the backward is explicit
   (:mod:`jaxpar.pipeline.stage`): never autodiff through a switch.
 * **Nothing replicated that one rank uses**: stage 0 embeds each micro-batch's tokens in its
@@ -32,14 +31,12 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
   conditionals, the pass-through branch first (:func:`~jaxpar.pipeline.branches.when`).
 * **Sends**: per :class:`~jaxpar.pipeline.step_tables.SendRoute` (message kind and ring
   direction) one collective-permute per tick, with exactly that tick's pairs, or none (a
-  ``lax.switch`` over the route's pair sets). A collective-permute inside a switch branch
-  starts and completes inside it, with nothing to overlap: XLA:GPU ran every pipeline send
-  synchronously. So, where the stage's forward runs no collective of its own, one cotangent
-  route (``every_tick``, where it gains: not GPipe's) runs every tick with every pair the
-  route ever uses, outside any conditional, in flight during the forward phase, and a
-  receiver files only what the table sends it. The price: that cotangent crosses each of the
-  route's links every tick, not only on the ticks the table sends (wire bytes;
-  :mod:`jaxpar.planner.pipe` counts them), and memory by XLA:GPU's schedule (BENCHMARKS.md).
+  ``lax.switch`` over the route's pair sets), at the tick's end. A collective-permute inside
+  a switch branch starts and completes inside it, with nothing beside it: the sends are the
+  tick's barrier, each holding a rank until its peers reach it. A cotangent route sent every
+  tick outside the conditionals, started after the backward to be in flight during the
+  forward, was slower on every pp 4 row of the GPU grid (BENCHMARKS.md): XLA:GPU placed its end
+  before the forward, so each rank's forward waited for its neighbours' backward phases.
 * **Gradients added where they exist**: the accumulators (:class:`~jaxpar.pipeline.carry.Grads`)
   enter the conditionals of the phases that add to them, and only the branch that computed a
   gradient adds it, in place (``B``/``W``/``FB`` to its chunk's slot, ``I`` only its non-dot
@@ -94,7 +91,8 @@ class PipelineModel:
     ``reduce[k](g)``: the per-micro-batch reduction of chunk-gradient leaf ``k`` (ZeRO-2's
     reduce-scatter; identity otherwise), in the order of the chunk tree's leaves;
     ``forward_collectives``: whether a stage's forward (or the head) runs collectives of its
-    own (tp, sp, ep, ZeRO-3 gathers): the cotangent's send then completes before it starts.
+    own (tp, sp, ep, ZeRO-3 gathers): every collective of the backward phase (the
+    embedding's gradient reduction included) is then issued before it.
     """
 
     pieces: StagePieces
@@ -146,13 +144,6 @@ class _Program(BackwardActions):
         x0 = jax.eval_shape(model.embed, params.embed, tokens[0])
         self.dtype, self.msg0 = x0.dtype, jnp.zeros(x0.shape, x0.dtype)
         self.stage = Stage(model.pieces, self.chunk(0), self.msg0)
-        # The cotangent's send in flight during the forward phase: where the tables send a
-        # route every tick (not GPipe's: its barriers would only cost memory, 0.9 GiB on the
-        # pp4-gpipe row at 8 layers) and the stage's forward runs no collective of its own.
-        # With one, XLA:CPU could meet the two in different orders on its device threads
-        # (_behind), and XLA:GPU placed no compute beside the send anyway (llama2-70b's
-        # production layout, tp 8: the send's window empty, 16% more pp bytes exposed).
-        self.overlap = not model.forward_collectives and any(r.every_tick for r in tables.sends)
         leaves, self.tree = jax.tree.flatten(self.chunk(0))
         self.acc_shapes = [jax.eval_shape(r, x) for r, x in zip(model.reduce, leaves, strict=True)]
         self.embed_shapes = self._embed_grad_shapes() if self.train else None
@@ -249,16 +240,11 @@ class _Program(BackwardActions):
     # ---- the tick ---------------------------------------------------------------------------
 
     def send(self, message: str, value: jax.Array, xs: TickIn) -> dict[int, jax.Array]:
-        """Arrivals per receive channel, per route one collective-permute (module docstring):
-        of all the route's pairs every tick (a cotangent route the tables pick), else with
-        exactly this tick's pairs, or none."""
+        """Arrivals per receive channel, per route one collective-permute (module docstring)
+        with exactly this tick's pairs, or none."""
         out = {CHANNEL_OF_SEND[SEND_LOCAL]: value}  # the local hop
         for k, (route, weights) in enumerate(zip(self.tables.sends, self.w.sends, strict=True)):
             if route.message != message:
-                continue
-            if route.every_tick and self.overlap:  # in flight during the forward
-                arrival = jax.lax.ppermute(value, "pp", list(route.pairs))
-                out[CHANNEL_OF_SEND[route.direction]] = arrival
                 continue
             perms = [jnp.zeros_like] + [
                 lambda x, ps=ps: jax.lax.ppermute(x, "pp", list(ps)) for ps in route.pair_sets
@@ -270,14 +256,11 @@ class _Program(BackwardActions):
         return out
 
     def tick(self, c: Carry, xs: TickIn) -> tuple[Carry, None]:
-        """One scan step: backward phase, its send started (in flight during the forward:
-        ``overlap``), forward phase, the cotangent's arrival (else its send now), the
+        """One scan step: backward phase, forward phase, the cotangent's send, the
         activation's send, the writes."""
         row, bo, after, prog, acc, arr_grad = xs.row, None, 0, self, None, None
         if self.train:
             bo, acc = self._backward_phase(c, xs)
-            if self.overlap:  # the send in flight while the forward computes
-                arr_grad = self.send("grad", bo.dx, xs)
             prog, (bo,) = self._behind(bo)
             after = ops.zero_after(bo.dx)  # the forward (and its slot writes) after the backward
         # The stash and taps slots this tick's forward fills; an idle forward hands back what
@@ -292,23 +275,10 @@ class _Program(BackwardActions):
         else:
             fo, _ = cond(row.f_kind == F_RUN, prog.f_fwd, prog.f_idle, self.w.forward, xs,
                          act_in, kept, None)  # fmt: skip
-        if self.train and self.overlap:
-            # All that follows the forward (the activation's send, its writes) waits for the
-            # cotangent's arrival. The two sends then run in one order on every device (on
-            # XLA:CPU never both waiting at once), and the forward is the one thing XLA:GPU's
-            # scheduler can place in the send's window: it closes a window once its latency
-            # estimate is covered, costs a conditional's compute as nothing, and otherwise
-            # filled the window with the tick's writes and started the send after the forward.
-            # The backward's outputs stay out of it: held across the forward they cost 3.3 GiB
-            # on the pp4-1f1b row (BENCHMARKS.md).
-            fo, arr_grad = jax.lax.optimization_barrier((fo, arr_grad))
-        elif self.train:
-            # The cotangent's send after the forward, beside the activation's: sent before the
-            # forward (the forward behind its arrival), a rank's forward waited for its
-            # neighbours' backward phases, the last stage's FB the longest of them, and the
-            # ticks lasted longer than their slowest rank (jaxpar.pipeline.coupled). The
-            # forward's collectives come first, then the two sends in one order on every
-            # device: each waits for what precedes it.
+        if self.train:
+            # The cotangent's send after the forward, beside the activation's (module
+            # docstring): the forward's collectives first, then the two sends in one order on
+            # every device (on XLA:CPU never two waiting at once), each behind what precedes it.
             fo, dx = jax.lax.optimization_barrier((fo, bo.dx))
             arr_grad = self.send("grad", dx, xs)
             fo, arr_grad = jax.lax.optimization_barrier((fo, arr_grad))
@@ -327,9 +297,7 @@ class _Program(BackwardActions):
         could start while the backward's were still being issued, in different orders on
         different devices: XLA's CPU runtime runs independent work concurrently and a device
         blocked in a rendezvous holds its thread (dp 2 × sp 2 × pp 2, ring, ZeRO-3: 3 of 7 runs
-        aborted; behind the barrier 0 of 3). A forward without collectives meets none, so
-        there the cotangent's send stays out of the barrier: it is in flight during the
-        forward phase (BENCHMARKS.md, "Pipeline memory and sends in flight")."""
+        aborted; behind the barrier 0 of 3)."""
         prog = copy.copy(self)
         prog.params, done = jax.lax.optimization_barrier((self.params, done))
         return prog, done
@@ -353,8 +321,9 @@ class _Program(BackwardActions):
         bo, acc = self.backward_switch(kind, chunk, xs, ins, acc)
         embed = self.embed_grad(row, bo.dx, c.acc_embed)
         if self.model.forward_collectives:
-            # ZeRO-3's reduce-scatter of the embedding's gradient is issued before the send, as
-            # every backward collective is (one order of collectives on every device, _behind).
+            # ZeRO-3's reduce-scatter of the embedding's gradient is issued before the forward's
+            # collectives, as every backward collective is (one order of collectives on every
+            # device, _behind).
             bo, embed = jax.lax.optimization_barrier((bo, embed))
         acc = dataclasses.replace(acc, embed=embed, head=c.acc_head if not fb else acc.head)
         return bo, acc

@@ -10,7 +10,6 @@ training code caches one per layout.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -36,27 +35,22 @@ Pairs = tuple[tuple[int, int], ...]  # (source rank, destination rank) of one co
 class SendRoute:
     """One message kind in one ring direction: the table sends ``pair_sets[index[t] - 1]`` at
     tick ``t`` (``index[t] == 0``: nothing). The executor sends so, in a switch over the pair
-    sets, unless ``every_tick`` and the stage's forward runs no collective of its own: then
-    with :attr:`pairs`, their union, every tick outside any conditional (a receiver files
-    only what the table sends it), in flight during the forward phase
-    (:meth:`StepTables.sends` says which route)."""
+    sets, at the tick's end."""
 
     message: str  # "act" (the forward's activation) or "grad" (the input cotangent)
     direction: int  # SEND_NEXT or SEND_PREV
     pair_sets: tuple[Pairs, ...]
     index: np.ndarray  # int32 [T]
-    every_tick: bool = False
 
-    @property
-    def pairs(self) -> Pairs:
-        """Every pair the route ever sends: one source and one destination per rank (one ring
-        direction), so one collective-permute."""
-        return tuple(sorted({pr for ps in self.pair_sets for pr in ps}))
+    def pairs_at(self, tick: int) -> Pairs:
+        """The pairs the route sends at ``tick`` (none: ``()``)."""
+        k = int(self.index[tick])
+        return self.pair_sets[k - 1] if k > 0 else ()
 
 
 def stage_collectives(tp: int, sp: int, ep: int, zero: int) -> bool:
     """Whether a stage's forward runs collectives of its own (tp, sp, ep, ZeRO-3's gathers):
-    the executor then sends no route ``every_tick`` (:class:`SendRoute`)."""
+    the executor then issues every collective of the backward phase before it."""
     return not (tp == sp == ep == 1 and zero < 3)
 
 
@@ -136,18 +130,8 @@ class StepTables:
 
     @cached_property
     def sends(self) -> tuple[SendRoute, ...]:
-        """The routes that ever send, activations first, then cotangents; next, then prev.
-
-        At most one cotangent route is sent ``every_tick`` (XLA:GPU keeps one collective in
-        flight at a time): the one that gains most, if any gains. Sent every tick, a route's
-        send is hidden on the ticks some rank runs a forward (it sends on some of them) and
-        costs a send where it had none on the ticks no rank does; sent by the table (a
-        switch), each of its sends is exposed. Gain: ticks it sends with a forward, less
-        ticks it neither sends nor has a forward (1F1B, interleaved, ZB: most ticks; GPipe,
-        whose backward ticks have no forward: none, so it keeps the table's sends)."""
+        """The routes that ever send, activations first, then cotangents; next, then prev."""
         p, out = self.schedule.p, []
-        fwd = np.any(self.table.f_kind == F_RUN, axis=1)
-        gains = {}
         for msg, codes in (("act", self.table.f_send), ("grad", self.table.b_send)):
             for d in (SEND_NEXT, SEND_PREV):
                 per_tick = [
@@ -158,12 +142,6 @@ class StepTables:
                 if sets:
                     idx = np.array([sets.index(s) + 1 if s else 0 for s in per_tick], np.int32)
                     out.append(SendRoute(msg, d, tuple(sets), idx))
-                    sent = idx > 0
-                    if msg == "grad":
-                        gains[len(out) - 1] = int(np.sum(sent & fwd) - np.sum(~sent & ~fwd))
-        best = max(gains, key=lambda k: gains[k], default=None)
-        if best is not None and gains[best] > 0:
-            out[best] = dataclasses.replace(out[best], every_tick=True)
         return tuple(out)
 
     @cached_property

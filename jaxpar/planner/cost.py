@@ -227,13 +227,10 @@ def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0, head=0.0) -> tu
     if lay.pp == 1:
         return None, 0.0, []
     layers = model.n_layers // lay.pp
-    from jaxpar.pipeline.step_tables import stage_collectives
-
-    every_tick = ex.lockstep and not stage_collectives(lay.tp, lay.sp, lay.ep, lay.zero)
     f_stage = layers * lt.forward + moe_fwd
     costs = replace(costs, head=(head / 3 / f_stage, 2 * head / 3 / f_stage))
     pf = figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, ex.lockstep,
-                 memory=lay.pipeline_memory, every_tick=every_tick)  # fmt: skip
+                 memory=lay.pipeline_memory)  # fmt: skip
     bubble = max(0.0, (pf.makespan - pf.busy) * f_stage)
     tick = f_stage / lay.virtual  # one chunk's forward: the compute beside a send
     return pf, bubble, [CM.pp_term(model, hw, lay, shape, pf.sends, tick, ex.overlap_p2p)]

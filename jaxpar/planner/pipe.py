@@ -76,7 +76,7 @@ def schedule_error(kind: str, p: int, m: int, v: int, memory: str = "fast") -> s
 
 
 @lru_cache(maxsize=1024)
-def _table(kind: str, p: int, m: int, v: int, memory: str, every_tick: bool) -> tuple:
+def _table(kind: str, p: int, m: int, v: int, memory: str) -> tuple:
     """The schedule and what depends only on its order: ticks, sends, peaks, slots."""
     import numpy as np
 
@@ -91,14 +91,6 @@ def _table(kind: str, p: int, m: int, v: int, memory: str, every_tick: bool) -> 
         ((sends != SEND_NONE) & (sends != SEND_LOCAL)).sum(axis=0)
         for sends in (table.f_send, table.b_send)
     )
-    # A route jaxpar's executor sends every tick (``every_tick``: a lock-step layout whose
-    # stages run no collectives of their own; jaxpar.pipeline.step_tables.SendRoute): from
-    # each of its sources on every tick, not only on the ticks the table sends.
-    codes = {"act": table.f_send, "grad": table.b_send}
-    for route in tables.sends if every_tick else ():
-        if route.every_tick:
-            sent = codes[route.message] == route.direction  # [T, P]
-            remote = remote + sent.any(axis=0) * sent.shape[0] - sent.sum(axis=0)
     slots = (table.slots.act, table.slots.grad, table.slots.cot, table.slots.taps,
              table.slots.dys)  # fmt: skip
     st = stats(sched)
@@ -108,17 +100,14 @@ def _table(kind: str, p: int, m: int, v: int, memory: str, every_tick: bool) -> 
 
 @lru_cache(maxsize=8192)
 def _measure(kind: str, p: int, m: int, v: int, costs: ActionCosts, lockstep: bool,
-             memory: str, every_tick: bool) -> tuple:  # fmt: skip
+             memory: str) -> tuple:  # fmt: skip
     from jaxpar.pipeline.coupled import coupled_makespan
     from jaxpar.pipeline.timing import stats
 
-    tables, ticks, sends, peaks, slots = _table(kind, p, m, v, memory, every_tick)
+    tables, ticks, sends, peaks, slots = _table(kind, p, m, v, memory)
     st = stats(tables.schedule, f=1.0, b=costs.b, i=costs.i, w=costs.w, head=costs.head)
-    if lockstep:  # jaxpar's executor: the ranks coupled at each tick's sends, each send
-        # exposed (XLA:GPU placed the every-tick cotangent send's end before the forward on
-        # the grid's pp 4 rows: jaxpar.pipeline.coupled)
-        makespan = coupled_makespan(tables, 1.0, costs.b, costs.i, costs.w, costs.head,
-                                    overlap=False, every_tick=every_tick)  # fmt: skip
+    if lockstep:  # jaxpar's executor: the ranks coupled at each tick's sends
+        makespan = coupled_makespan(tables, 1.0, costs.b, costs.i, costs.w, costs.head)
     else:
         makespan = st.makespan
     return makespan, st.busy_per_rank, ticks, sends, peaks, slots
@@ -134,17 +123,14 @@ def figures(
     lockstep: bool = True,
     exact: bool = False,
     memory: str = "fast",
-    every_tick: bool = False,
 ) -> PipeFigures:
     """Figures of schedule ``kind`` with ``p`` ranks, ``m`` micro-batches, ``v`` chunks per rank.
 
     ``lockstep``: time the tick table as jaxpar's executor runs it; ``False`` gives the
     asynchronous (event-driven) makespan other frameworks approach. ``memory``: the table's
     memory mode (``"lean"``: 1F1B's stashes capped at ``p - r``). ``p == 1``: no pipeline
-    (one stash, no bubble, one tick per micro-batch). ``every_tick``: jaxpar's executor
-    sends a cotangent route every tick (a layout whose stages run no collectives of their
-    own, :func:`jaxpar.pipeline.step_tables.stage_collectives`). Raises :class:`ConfigError`
-    for combinations the library refuses.
+    (one stash, no bubble, one tick per micro-batch). Raises :class:`ConfigError` for
+    combinations the library refuses.
     """
     if p == 1:
         busy = m * (1.0 + costs.b + sum(costs.head))
@@ -158,12 +144,10 @@ def figures(
     step = lambda x: round(x * 20) / 20  # noqa: E731
     costs = ActionCosts(step(costs.b), step(costs.i), step(costs.w),
                         (step(costs.head[0]), step(costs.head[1])))  # fmt: skip
-    makespan, busy, ticks, sends, peaks, slots = _measure(kind, p, m0, v, costs, lockstep, memory,
-                                                          every_tick)  # fmt: skip
+    makespan, busy, ticks, sends, peaks, slots = _measure(kind, p, m0, v, costs, lockstep, memory)
     extra = m - m0
     if extra:
-        mk2, busy2, t2, s2, _, _ = _measure(kind, p, m0 + p, v, costs, lockstep, memory,
-                                            every_tick)  # fmt: skip
+        mk2, busy2, t2, s2, _, _ = _measure(kind, p, m0 + p, v, costs, lockstep, memory)
         periods = extra / p
         makespan += (mk2 - makespan) * periods
         busy += (busy2 - busy) * periods
