@@ -154,3 +154,16 @@ def test_rendezvous_waits_for_peers_only_and_refuses_mismatches():
     with pytest.raises(KeyError):
         run_ranks(boom, [0, 1])
     assert threading.active_count() < 50
+
+
+def test_compile_output_lists_each_ranks_work_and_waits():
+    """``jaxpar compile``'s human table shows each walked rank's compute and exposed time."""
+    from jaxpar.gpu.report import estimate_lines
+
+    st = simulate(_module("{ {1, 0}, {0, 1} }"), MESH, HW)
+    est = {**st.to_dict(), "planner_step_s": st.step_s, "step_ratio": 1.0}
+    lines = estimate_lines(est)
+    at = next(i for i, x in enumerate(lines) if x.startswith("pipeline ranks"))
+    for k, r in enumerate(st.ranks):
+        want = f"{r.compute_s * 1e3:.3f} + {r.exposed_s['total'] * 1e3:.3f}"
+        assert lines[at + 1 + k].split(":")[1].strip() == want

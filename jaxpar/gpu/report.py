@@ -206,6 +206,12 @@ def estimate_lines(est: dict[str, Any]) -> list[str]:
                f"{o['seconds'] * 1e3:.3f} ms in {o['count']}" for o in cp["top"][:3]]  # fmt: skip
         if top:
             lines.append("  most of it: " + "; ".join(top))
+    ranks = est.get("ranks") or []
+    if ranks:  # a pipeline's ranks, each walked (jaxpar.gpu.ranks): its work and its waits
+        lines.append("pipeline ranks (device: compute ms + exposed ms, the waits for the other "
+                     "ranks included):")  # fmt: skip
+        lines += [f"  {r['partition']:>5}: {r['compute_s'] * 1e3:.3f} + "
+                  f"{r['exposed_s']['total'] * 1e3:.3f}" for r in ranks]  # fmt: skip
     if est["tflops_per_device"] is not None:
         lines.append(f"model TFLOP/s per device {est['tflops_per_device']:.1f}, "
                      f"MFU {est['mfu']:.1%} (PaLM model FLOPs: recompute not counted)")  # fmt: skip
