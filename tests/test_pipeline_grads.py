@@ -16,6 +16,7 @@ forward phase, two chunks per rank). The equivalence of the numbers is tests/tes
 """
 
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from test_pipeline import tiny, trainer_of
 
 from jaxpar.analysis.hlo import copy_bytes
 from jaxpar.analysis.hlo_text import callees, parse_module
+from jaxpar.pipeline.executor import _Program
 
 # Passing a buffer along is not work on it.
 PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "conditional",
@@ -38,25 +40,39 @@ CASES = {
 
 
 def compiled_tick(cfg):
-    """The compiled gradient program's text, the tick loop's body, and the accumulators'
-    shapes on one rank (f32 dims): the chunk leaves ``[v, Lc, ...]``, the embedding table and
-    the head's output weights."""
+    """The compiled gradient program's text, the tick loop's body, the accumulators' shapes
+    on one rank (f32 dims): the chunk leaves ``[v, Lc, ...]``, the embedding table and the
+    head's output weights, and the dims of the stash and taps buffers that no other buffer of
+    the carry the tick writes at every trip (the I-to-W buffers) shares."""
     tr = trainer_of(cfg)
     batch = jax.ShapeDtypeStruct((16, 17), jnp.int32, sharding=tr.batch_sharding)
-    with tr._ctx():
+    carries, carry0 = [], _Program.carry0
+
+    def recorded(prog):  # the scan's initial carry, kept for its buffers' shapes
+        carries.append(carry0(prog))
+        return carries[-1]
+
+    with tr._ctx(), mock.patch.object(_Program, "carry0", recorded):
         text = jax.jit(tr.grads_fn).lower(tr.abstract_params, batch).compile().as_text()
     tick = max(copy_bytes(text)["loops"], key=lambda lp: lp["trips"])
     p, v = tr.abstract_params, cfg.layout.virtual
     lc = cfg.model.n_layers // (cfg.layout.pp * v)
     acc = {(v, lc, *a.shape[1:]) for a in jax.tree.leaves(p["layers"])}
     acc |= {p["embed"]["table"].shape[1:], p["head"]["w_out"].shape[1:]}
-    return text, tick, acc
+    (c,) = carries
+    stash = {tuple(a.shape) for a in c.stash + c.taps} - {tuple(a.shape) for a in c.wpend}
+    return text, tick, acc, stash
 
 
-def f32_dims(shape: str) -> set[tuple[int, ...]]:
+def f32_dims(shape: str, dtype: str = "f32") -> set[tuple[int, ...]]:
     return {
-        tuple(int(d) for d in ds.split(",") if d) for ds in re.findall(r"f32\[([\d,]*)\]", shape)
+        tuple(int(d) for d in ds.split(",") if d)
+        for ds in re.findall(dtype + r"\[([\d,]*)\]", shape)
     }
+
+
+def any_dims(shape: str) -> set[tuple[int, ...]]:
+    return f32_dims(shape, r"\b[a-z]+\d*")
 
 
 def reachable(comps, body: str, through_conditionals: bool = True) -> list[str]:
@@ -77,15 +93,15 @@ def reachable(comps, body: str, through_conditionals: bool = True) -> list[str]:
 
 @pytest.fixture(scope="module", params=list(CASES))
 def program(request):
-    text, tick, acc = compiled_tick(tiny(small_config, pp=2, **CASES[request.param]))
+    text, tick, acc, stash = compiled_tick(tiny(small_config, pp=2, **CASES[request.param]))
     comps, _ = parse_module(text)
-    return request.param, comps, tick["body"], acc
+    return request.param, comps, tick["body"], acc, stash
 
 
 def test_no_accumulator_is_touched_outside_a_conditional(program):
     """No instruction the tick runs on every trip makes or writes an array shaped like a
     gradient accumulator (before: the chunk's slot add and both tables' adds, every tick)."""
-    name, comps, body, acc = program
+    name, comps, body, acc, _ = program
     work = [(i.opcode, i.name, i.shape[:80]) for c in reachable(comps, body, False)
             for i in comps[c] if i.opcode not in PLUMBING and f32_dims(i.shape) & acc]  # fmt: skip
     assert not work, (name, work)
@@ -94,7 +110,7 @@ def test_no_accumulator_is_touched_outside_a_conditional(program):
 def test_no_zero_table_in_the_tick(program):
     """No branch of the tick makes an fp32 zero table (before: every rank but stage 0's, in
     the embedding gradient's other branch, on every backward tick)."""
-    name, comps, body, acc = program
+    name, comps, body, acc, _ = program
     tables = {s for s in acc if len(s) == 2}  # the embedding's and the head's
     zeros = []
     for c in reachable(comps, body):
@@ -109,7 +125,28 @@ def test_accumulators_pass_without_a_copy(program):
     """The accumulators enter the tick's conditionals and come back without a copy: XLA copies
     a buffer that one branch passes through while another writes it unless the branches are
     ordered so (:func:`jaxpar.pipeline.branches.when`)."""
-    name, comps, body, acc = program
+    name, comps, body, acc, _ = program
     copies = [(c, i.name, i.shape[:60]) for c in reachable(comps, body) for i in comps[c]
               if i.opcode in ("copy", "copy-start") and f32_dims(i.shape) & acc]  # fmt: skip
+    assert not copies, (name, copies)
+
+
+def test_no_stash_slot_is_touched_outside_the_forward(program):
+    """No instruction the tick runs on every trip reads or writes a stash or taps buffer: the
+    forward's ``F`` writes its slot in place inside the forward's conditional, and an idle
+    forward hands the buffers back untouched (before: an idle forward read its slot and every
+    tick wrote one slot of each buffer back)."""
+    name, comps, body, _, bufs = program
+    assert bufs, name  # some buffer to look for
+    work = [(i.opcode, i.name, i.shape[:80]) for c in reachable(comps, body, False)
+            for i in comps[c] if i.opcode not in PLUMBING and any_dims(i.shape) & bufs]  # fmt: skip
+    assert not work, (name, work)
+
+
+def test_stash_passes_without_a_copy(program):
+    """The stash and taps buffers enter the forward's conditional and come back without a copy
+    (the pass-through branch first, :func:`jaxpar.pipeline.branches.when`)."""
+    name, comps, body, _, bufs = program
+    copies = [(c, i.name, i.shape[:60]) for c in reachable(comps, body) for i in comps[c]
+              if i.opcode in ("copy", "copy-start") and any_dims(i.shape) & bufs]  # fmt: skip
     assert not copies, (name, copies)

@@ -53,12 +53,11 @@ class Carry:
 @_pytree
 @dataclass(frozen=True)
 class ForwardOut:
-    """What the forward phase returns (every branch the same structure)."""
+    """What the forward phase returns (every branch the same structure); its stash and taps
+    are written in place in the branch itself (:class:`ForwardKept`)."""
 
     y: jax.Array  # the activation to send
     loss: jax.Array  # the head's loss (last stage), else 0
-    stash: Leaves  # what the backward needs ([] in evaluation)
-    taps: Leaves  # split backward: the weight matmuls' activation operands
     cot: jax.Array | None  # the head's output cotangent; None when the table has no cot slots
     stats: Any  # the stage's layers' statistics [Lc, ...]; None when its layers report none
 
@@ -103,8 +102,10 @@ class BackwardIn:
 @_pytree
 @dataclass(frozen=True)
 class ForwardKept:
-    """The forward switch's read-only operands in training: the stash and taps buffers and the
-    slots this tick's forward fills (an idle forward returns their contents)."""
+    """The buffers the forward's conditional writes in training: the stash and taps, with the
+    slots this tick's forward fills. ``F`` writes its values there in place (:func:`put_all`);
+    an idle forward hands the buffers back untouched, without a copy (the pass-through branch
+    first, :func:`jaxpar.pipeline.branches.when`) and without reading a slot."""
 
     stash: Leaves
     taps: Leaves
@@ -153,17 +154,13 @@ def write_all(bufs: Leaves, k: jax.Array, values: Leaves) -> Leaves:
     return [write_if(b, k, x) for b, x in zip(bufs, values, strict=True)]
 
 
-def held(bufs: Leaves, k: jax.Array) -> Leaves:
-    """What slot ``k`` of each buffer holds (slot 0 for ``k < 0``): what a phase that writes
-    nothing returns for a write made unconditionally by :func:`put_all`."""
-    return [slot(b, k) for b in bufs]
-
-
 def put_all(bufs: Leaves, k: jax.Array, values: Leaves) -> Leaves:
-    """``buf[max(k, 0)] = value`` for each buffer, unconditionally: the phase that ran
-    returned either its values or :func:`held` ones. Masking the write instead
-    (:func:`write_if`) reads the slot outside the phase to write it back: XLA:GPU materialises
-    that read, one slot of every stash leaf per tick (llama3-8b tp 4 × pp 2, 1F1B: 5 GiB)."""
+    """``buf[max(k, 0)] = value`` for each buffer, unconditionally: called only in the branch
+    that computed the values (``F`` writing its stash, :class:`ForwardKept`). A write masked
+    outside the branch instead (:func:`write_if`) reads the slot outside the phase to write it
+    back, and XLA:GPU materialises that read, one slot of every stash leaf per tick; an
+    unconditional write outside it needs the slot's own contents from a phase that wrote
+    nothing, one slot of every stash leaf read and written per idle forward."""
     return [
         jax.lax.dynamic_update_index_in_dim(b, x.astype(b.dtype), jnp.maximum(k, 0), 0)
         for b, x in zip(bufs, values, strict=True)
@@ -203,6 +200,20 @@ def zeros(shapes) -> Leaves:
 def fresh_zeros(shapes: Any) -> Any:
     """Zeros of a tree of shapes (``jax.ShapeDtypeStruct`` leaves; ``None`` stays ``None``)."""
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def distinct_zeros(shapes: list, seed: jax.Array) -> Leaves:
+    """Zeros of each shape, each array its own buffer: a broadcast of a zero made at run time
+    from ``seed`` (any integer scalar) and the array's position.
+
+    XLA merges constant zeros of one shape into one buffer, or folds them into a read-only
+    literal. A buffer that a conditional writes in place in one branch and passes through the
+    other (the stash's, :class:`ForwardKept`) must be its own: where XLA:GPU's while-loop double
+    buffering peels the scan's first tick out of the loop, that tick's conditional copied every
+    shared or constant one, whole, in both branches."""
+    base = jnp.asarray(seed, jnp.float32)
+    return [jnp.broadcast_to(((base + i) * 0.0).astype(s.dtype), s.shape)  # 0·x is not folded
+            for i, s in enumerate(shapes)]  # fmt: skip
 
 
 def fresh(shapes: Any, **given: Any) -> Any:

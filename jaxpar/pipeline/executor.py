@@ -27,8 +27,11 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
   read-only and are written after it, in place in the carry, each write ordered after the reads
   by a data dependency. (A buffer that passes through a switch is copied by XLA's CPU compile
   in every branch, jax-ml/jax#38145; an unordered in-place write is copied twice.) The
-  gradient accumulators are the exception, and pass through without a copy: only two-branch
-  conditionals, the pass-through branch first (:func:`~jaxpar.pipeline.branches.when`).
+  gradient accumulators and the stash and taps buffers are the exception, and pass through
+  without a copy: only two-branch conditionals, the pass-through branch first
+  (:func:`~jaxpar.pipeline.branches.when`). ``F`` writes its stash and taps slots in place in
+  the forward's conditional (:class:`~jaxpar.pipeline.carry.ForwardKept`), its slot index
+  depending on the backward's output; an idle forward reads and writes no slot of them.
 * **Sends**: per :class:`~jaxpar.pipeline.step_tables.SendRoute` (message kind and ring
   direction) one collective-permute per tick, with exactly that tick's pairs, or none (a
   ``lax.switch`` over the route's pair sets), at the tick's end. A collective-permute inside
@@ -139,7 +142,7 @@ class _Program(BackwardActions):
         self.w, self.n, self.train = tables.weights, tables.table.slots, tables.training
         t = tables.table
         if self.train and np.any(t.f_stash[t.f_kind == F_RUN] < 0):
-            # ops.put_all writes the forward's stash unconditionally (at slot 0 for -1)
+            # F writes its stash with ops.put_all, unconditionally (at slot 0 for -1)
             raise ValueError("pipeline table: a training forward (F) without a stash slot")
         x0 = jax.eval_shape(model.embed, params.embed, tokens[0])
         self.dtype, self.msg0 = x0.dtype, jnp.zeros(x0.shape, x0.dtype)
@@ -159,11 +162,8 @@ class _Program(BackwardActions):
         msg, loss = jax.ShapeDtypeStruct(x0.shape, x0.dtype), jax.ShapeDtypeStruct((), jnp.float32)
         self.head_shapes = jax.eval_shape(lambda h: h, params.head) if self.train else None
         train, fb, stats = self.train, tables.has_fb, self.stage.stats_shapes
-        self.f_shapes = ForwardOut(
-            y=msg, loss=loss, stash=list(self.stage.stash_shapes) if train else [],
-            taps=list(self.stage.taps_shapes) if train else [], cot=msg if self.n.cot else None,
-            stats=stats,
-        )  # fmt: skip
+        self.f_shapes = ForwardOut(y=msg, loss=loss, cot=msg if self.n.cot else None,
+                                   stats=stats)  # fmt: skip
         self.b_shapes = BackwardOut(
             dx=msg, wpend=list(self.stage.wpend_shapes), loss=loss if fb else None,
             stats=stats if fb else None,
@@ -195,23 +195,24 @@ class _Program(BackwardActions):
         return stats if self.stage.stats_shapes is not None else None
 
     def f_idle(self, xs: TickIn, x_in: jax.Array, kept: ForwardKept | None,
-               acc_head: Any) -> tuple[ForwardOut, Any]:  # fmt: skip
-        if kept is None:
-            return ops.fresh(self.f_shapes), acc_head
-        return ops.fresh(self.f_shapes, stash=ops.held(kept.stash, kept.k_stash),
-                         taps=ops.held(kept.taps, kept.k_taps)), acc_head  # fmt: skip
+               acc_head: Any) -> tuple[ForwardOut, ForwardKept | None, Any]:  # fmt: skip
+        """No forward: the stash and taps buffers and ``acc_head`` handed back untouched."""
+        return ops.fresh(self.f_shapes), kept, acc_head
 
     def f_fwd(self, xs: TickIn, x_in: jax.Array, kept: ForwardKept | None,
-              acc_head: Any) -> tuple[ForwardOut, Any]:  # fmt: skip
-        """``F``; the last stage's head adds its gradient to ``acc_head`` (training with the
-        head in the forward phase; ``None`` otherwise, handed back)."""
+              acc_head: Any) -> tuple[ForwardOut, ForwardKept | None, Any]:  # fmt: skip
+        """``F``; in training its stash and taps written in place into their slots of
+        ``kept``'s buffers, and the last stage's head adds its gradient to ``acc_head`` (with
+        the head in the forward phase; ``None`` otherwise, handed back)."""
         row, train = xs.row, self.train
         s, j = row.f_stage, row.f_mb
         embed = lambda: self.model.embed(self.params.embed, self.tokens[j]).astype(self.dtype)  # noqa: E731
         x_in = cond(s == 0, embed, lambda: x_in, self.w.embed)
         if train:
             y, stash, taps, stats = self.stage.forward(self.chunk(row.f_chunk), x_in)
-            out = ops.fresh(self.f_shapes, y=y, stash=stash, taps=taps, stats=self._keep(stats))
+            out = ops.fresh(self.f_shapes, y=y, stats=self._keep(stats))
+            kept = dataclasses.replace(kept, stash=ops.put_all(kept.stash, kept.k_stash, stash),
+                                       taps=ops.put_all(kept.taps, kept.k_taps, taps))  # fmt: skip
         else:
             y, stats = self.stage.apply(self.chunk(row.f_chunk), x_in)
             out = ops.fresh(self.f_shapes, y=y, stats=self._keep(stats))
@@ -227,15 +228,16 @@ class _Program(BackwardActions):
             return jnp.zeros((), jnp.float32), (y * 0 if train else None), acc_head
 
         if not self.tables.head_in_forward:  # training with FB on the last stage
-            return out, acc_head
+            return out, kept, acc_head
         last = self.tables.last_stage
         if train:  # the head's accumulator passes the other ranks' branch untouched
             loss, dy, acc_head = when(s == last, not_head, at_head, self.w.head, out.y, acc_head)
         else:
             loss, dy, acc_head = cond(s == last, at_head, not_head, self.w.head, out.y, acc_head)
         if not train:
-            return dataclasses.replace(out, loss=loss), acc_head
-        return dataclasses.replace(out, loss=loss, cot=dy if self.n.cot else out.cot), acc_head
+            return dataclasses.replace(out, loss=loss), kept, acc_head
+        out = dataclasses.replace(out, loss=loss, cot=dy if self.n.cot else out.cot)
+        return out, kept, acc_head
 
     # ---- the tick ---------------------------------------------------------------------------
 
@@ -263,18 +265,22 @@ class _Program(BackwardActions):
             bo, acc = self._backward_phase(c, xs)
             prog, (bo,) = self._behind(bo)
             after = ops.zero_after(bo.dx)  # the forward (and its slot writes) after the backward
-        # The stash and taps slots this tick's forward fills; an idle forward hands back what
-        # they hold (ops.put_all writes them either way).
+        # The stash and taps buffers enter the forward's conditional, with the slots this
+        # tick's forward fills: F writes them in place, an idle forward hands them back
+        # untouched (the pass-through branch first, as the accumulators pass, branches.when).
+        # The slot index depends on the backward's output: the write is ordered after the
+        # backward's reads of the buffers.
         kept = ForwardKept(c.stash, c.taps, row.f_stash + after,
                            row.f_taps + after) if self.train else None  # fmt: skip
         act_in = ops.slot(c.act, row.f_in + after)
-        if self.train and self.tables.head_in_forward:  # the last stage's F adds to acc_head
-            fo, head = when(row.f_kind == F_RUN, prog.f_idle, prog.f_fwd, self.w.forward, xs,
-                            act_in, kept, acc.head)  # fmt: skip
-            acc = dataclasses.replace(acc, head=head)
+        if self.train:
+            head_in = self.tables.head_in_forward  # the last stage's F adds to acc_head
+            fo, kept, head = when(row.f_kind == F_RUN, prog.f_idle, prog.f_fwd, self.w.forward,
+                                  xs, act_in, kept, acc.head if head_in else None)  # fmt: skip
+            acc = dataclasses.replace(acc, head=head) if head_in else acc
         else:
-            fo, _ = cond(row.f_kind == F_RUN, prog.f_fwd, prog.f_idle, self.w.forward, xs,
-                         act_in, kept, None)  # fmt: skip
+            fo, _, _ = cond(row.f_kind == F_RUN, prog.f_fwd, prog.f_idle, self.w.forward, xs,
+                            act_in, None, None)  # fmt: skip
         if self.train:
             # The cotangent's send after the forward, beside the activation's (module
             # docstring): the forward's collectives first, then the two sends in one order on
@@ -287,6 +293,7 @@ class _Program(BackwardActions):
         c = dataclasses.replace(c, loss=c.loss + loss, stats=self._add_stats(c.stats, row, fo, bo))
         if self.train:
             c = self._writes(c, row, fo, bo, acc, after, arr_grad)
+            c = dataclasses.replace(c, stash=kept.stash, taps=kept.taps)
         act = ops.file_arrivals(c.act, self.tables.table.recv_act, row.recv_act, arr_act)
         return dataclasses.replace(c, act=act), None
 
@@ -341,15 +348,13 @@ class _Program(BackwardActions):
 
     def _writes(self, c: Carry, row: TickTable, fo: ForwardOut, bo: BackwardOut, acc: Grads,
                 after, arr_grad):  # fmt: skip
-        # The forward's stash, taps and cot writes land after the backward has read those
-        # buffers (the forward itself runs after it): their slot index depends on the
-        # backward's output. Without that data dependency XLA cannot order the read before the
-        # in-place write and copies each buffer twice per tick.
+        # The forward's cot write (as its stash and taps writes, in the forward's conditional)
+        # lands after the backward has read that buffer (the forward itself runs after it): its
+        # slot index depends on the backward's output. Without that data dependency XLA cannot
+        # order the read before the in-place write and copies each buffer twice per tick.
         i_write = jnp.where(row.b_kind == B_INPUT, row.b_dys, -1)
         c = dataclasses.replace(
             c,
-            stash=ops.put_all(c.stash, row.f_stash + after, fo.stash),
-            taps=ops.put_all(c.taps, row.f_taps + after, fo.taps),
             wpend=ops.write_all(c.wpend, i_write, bo.wpend),
             acc=acc.chunks,
             acc_embed=acc.embed,
@@ -372,11 +377,16 @@ class _Program(BackwardActions):
                   stats=stats)  # fmt: skip
         if not self.train:
             return c
+        # The buffers the forward's conditional writes in place: each its own (distinct_zeros).
+        kept = [jax.ShapeDtypeStruct((k, *s.shape), s.dtype)
+                for k, shapes in ((n.stash, st.stash_shapes), (n.taps, st.taps_shapes))
+                for s in shapes]  # fmt: skip
+        kept = ops.distinct_zeros(kept, jax.lax.axis_index("pp"))
         return dataclasses.replace(
             c,
             grad=slots(max(n.grad, 1), [msg0])[0],
-            stash=slots(n.stash, st.stash_shapes),
-            taps=slots(n.taps, st.taps_shapes),
+            stash=kept[: len(st.stash_shapes)],
+            taps=kept[len(st.stash_shapes) :],
             wpend=slots(n.dys, st.wpend_shapes),
             acc=jax.tree.unflatten(self.tree, slots(self.tables.schedule.v, self.acc_shapes)),
             acc_embed=ops.fresh_zeros(self.embed_shapes),
