@@ -132,3 +132,18 @@ def test_compile_layout_auto_compiles_the_planners_pick(tmp_path):
     proc = subprocess.run([*cmd[:-1], "--dp", "8"], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 2 and "--layout=auto: conflicts with --dp" in proc.stderr
+
+
+def test_verify_compiles_the_best_of_each_family_first():
+    """--verify N takes the planner's best layout of each family (pipelined or not, ZeRO
+    stage) in rank order, then the next ranked ones."""
+    from types import SimpleNamespace as NS
+
+    from jaxpar.gpu.verify import candidates
+
+    fams = [(8, 3), (8, 3), (8, 3), (4, 2), (1, 3), (8, 3), (1, 1)]  # (pp, zero) by rank
+    ranked = [NS(layout=NS(pp=pp, zero=z)) for pp, z in fams]
+    assert candidates(ranked, 3) == [0, 3, 4]  # pp 8 ZeRO-3, pp 4 ZeRO-2, no pipeline ZeRO-3
+    assert candidates(ranked, 1) == [0]  # the recommendation itself
+    assert candidates(ranked, 5) == [0, 1, 3, 4, 6]  # four families, then rank 2
+    assert candidates(ranked, 10) == list(range(7))

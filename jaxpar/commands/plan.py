@@ -69,8 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=K.positive_int,
         default=None,
         metavar="N",
-        help="compile the first N ranked layouts with XLA:GPU for the mesh's pod (no GPU "
-        "needed; the CUDA plugin: pip install -e '.[gpu-aot]') and pick the fastest that fits",
+        help="compile N ranked layouts (the best of each family: pipelined or not, ZeRO stage; "
+        "then the next ranked) with XLA:GPU for the mesh's pod (no GPU needed; the CUDA "
+        "plugin: pip install -e '.[gpu-aot]') and pick the fastest that fits",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 

@@ -1,8 +1,8 @@
 """``jaxpar plan --verify N``: the planner's ranked layouts compiled by XLA:GPU for the mesh's pod.
 
 The planner ranks layouts by its own memory and time model (:mod:`jaxpar.planner`). For a GPU
-mesh the memory that decides "fits" is the GPU program's, so the first ``N`` ranked layouts are
-compiled for the mesh's target (:func:`jaxpar.gpu.compile.compile_step`, the exact train step
+mesh the memory that decides "fits" is the GPU program's, so ``N`` ranked layouts are compiled
+for the mesh's target (:func:`jaxpar.gpu.compile.compile_step`, the exact train step
 the trainer would run) and each compiled per-device total is set beside the planner's figure
 and the device's usable memory, and each program's step is timed by :mod:`jaxpar.gpu.timing`
 (the scheduled module simulated on the mesh file's hardware) beside the planner's step. The
@@ -10,6 +10,13 @@ verified pick is the layout with the shortest **simulated** step among those who
 program fits: the planner proposes, the compiled program decides. A planner pick that XLA:GPU
 says does not fit is never the verified one, nor one the planner ranks first by an overlap the
 program does not have. Nothing runs on a GPU.
+
+Which ``N`` (:func:`candidates`): the planner's best layout of each family — pipelined or not,
+by ZeRO stage — in rank order, then the next ranked ones. The planner's errors against the
+compiled programs are per family (a pipeline's lock-step ticks, ZeRO-3's gathers: BENCHMARKS.md
+"The planner held to the program"), and its first ``N`` are often ``N`` variants of one family:
+for llama2-70b on a100-64 its first five are pipelined (BENCHMARKS.md, "plan --verify by
+family").
 """
 
 from __future__ import annotations
@@ -57,8 +64,25 @@ class Verified:
         return {**dataclasses.asdict(self), "ratio": self.ratio, "step_ratio": self.step_ratio}
 
 
+def family(layout: Any) -> tuple[bool, int]:
+    """A layout's family (:func:`candidates`): whether it is pipelined, and its ZeRO stage."""
+    return (layout.pp > 1, layout.zero)
+
+
+def candidates(ranked: list[Any], n: int) -> list[int]:
+    """The 0-based ranks of the ``n`` layouts to compile (module docstring), in rank order;
+    ``ranked[i].layout`` each candidate's layout."""
+    first: dict[tuple[bool, int], int] = {}
+    for i, cand in enumerate(ranked):
+        first.setdefault(family(cand.layout), i)
+    picked = sorted(first.values())[:n]
+    rest = [i for i in range(len(ranked)) if i not in set(picked)]
+    return sorted(picked + rest[: max(0, n - len(picked))])
+
+
 def verify_ranked(cfg: C.RunConfig, n: int) -> list[Verified]:
-    """Compile the first ``n`` layouts the planner ranks for ``cfg`` on its GPU target.
+    """Compile ``n`` of the layouts the planner ranks for ``cfg`` (:func:`candidates`) on its
+    GPU target.
 
     Raises :class:`ConfigError` (one line) for a mesh that is not a GPU pod or a missing CUDA
     plugin, before anything compiles."""
@@ -78,7 +102,8 @@ def verify_ranked(cfg: C.RunConfig, n: int) -> list[Verified]:
 
     flags = apply_flags(list(cfg.mesh.hardware.xla_flags), plug.module)
     out = []
-    for rank, cand in enumerate(r.ranked[:n], 1):
+    for i in candidates(r.ranked, n):
+        rank, cand = i + 1, r.ranked[i]
         trial = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, layout=cand.layout))
         summary = X.summary(cand, cfg.model, cfg.mesh.hardware, r.shape)
         row = Verified(rank, summary["layout"], float(summary["memory_per_device_bytes"]))
