@@ -302,6 +302,11 @@ def _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> 
     window = ex.overlap_dp * layers * b_layer  # one micro-batch's backward
     if ex.reduce_after_backward and lay.zero < 2:
         window = 0.0  # one reduction of the accumulator after the last backward
+    if ex.lockstep and lay.pp > 1 and lay.zero == 2:
+        # jaxpar's pipeline reduce-scatters each micro-batch's gradient inside the tick's
+        # backward branch: a collective in a conditional's branch starts and completes there,
+        # with nothing beside it (XLA:GPU)
+        window = 0.0
     times = m if lay.zero == 2 else 1
     t = _term(hw, f"gradient {kind} ({calls} bucket{'s' * (calls > 1)})", kind, wire, calls, n,
               stride, window)  # fmt: skip
