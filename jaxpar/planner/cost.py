@@ -55,10 +55,9 @@ OPTIMIZER_BYTES = 30.0  # Adam: read p, g, m, v (fp32), write p, m, v, and the b
 # the backward tick (its recompute and input gradient read the bf16 copy; 6), and the fp32
 # gradient accumulation of the backward (read the accumulator and the gradient, write: 12).
 # The tick loop cannot hoist them (each tick slices its chunk). Checked against the time
-# model's trace of llama3-8b pp 4 x dp 2 1F1B on h100-8, where the converts and accumulator
-# adds come to 0.15 s and this term to 0.19 s (BENCHMARKS.md, "The planner held to the
-# program").
-TICK_WEIGHT_BYTES = 24.0
+# model's trace of a pipelined llama3-8b (BENCHMARKS.md, "The planner held to the program").
+CAST_BYTES, ADD_BYTES = 6.0, 12.0
+TICK_WEIGHT_BYTES = 2 * CAST_BYTES + ADD_BYTES
 
 
 @dataclass
@@ -220,15 +219,26 @@ def tick_weights(model: ModelConfig, lay: LayoutConfig, mem_bw: float, ex: Execu
     return lay.microbatches * TICK_WEIGHT_BYTES * param_counts(model, lay).local / mem_bw
 
 
-def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0, head=0.0) -> tuple:
+def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0, head=0.0, mem_bw=None) -> tuple:
     """(figures, bubble seconds, pipeline comm terms) of a pipeline layout; ``moe_fwd``: a
     rank's MoE forward beyond its dense FFNs for one micro-batch; ``head``: the last stage's
-    head and loss for one micro-batch (:func:`head_time`)."""
+    head and loss for one micro-batch (:func:`head_time`); ``mem_bw`` the memory-bound
+    bandwidth (:func:`memory_bound_bw`)."""
     if lay.pp == 1:
         return None, 0.0, []
     layers = model.n_layers // lay.pp
     f_stage = layers * lt.forward + moe_fwd
     costs = replace(costs, head=(head / 3 / f_stage, 2 * head / 3 / f_stage))
+    if tick_weights(model, lay, 1.0, ex) > 0:
+        # The tick's weight work lands on the actions that do it (a lock-step tick lasts as
+        # long as its costliest rank's action): a cast in F and in I (or B), the gradient's
+        # accumulation in W (or B). Its seconds are the tick_weights term; here it shapes the
+        # schedule's makespan.
+        mem_bw = mem_bw or memory_bound_bw(hw, None)
+        local = param_counts(model, lay).local / mem_bw / f_stage
+        cast, add = CAST_BYTES * local, ADD_BYTES * local
+        costs = replace(costs, f=1.0 + cast, b=costs.b + cast + add, i=costs.i + cast,
+                        w=costs.w + add)  # fmt: skip
     pf = figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, ex.lockstep,
                  memory=lay.pipeline_memory)  # fmt: skip
     bubble = max(0.0, (pf.makespan - pf.busy) * f_stage)
@@ -256,7 +266,8 @@ def step_cost(
     moe_fwd = 0.0  # this rank's MoE layers (a pipeline stage holds pp-th of them)
     if model.moe.enabled:
         moe_fwd = model.moe_layers() // lay.pp * moe_ffn_delta(model, hw, lay, shape)
-    pf, bubble, pp_terms = _pipeline(model, hw, lay, shape, executor, lt, costs, moe_fwd, head)
+    pf, bubble, pp_terms = _pipeline(model, hw, lay, shape, executor, lt, costs, moe_fwd, head,
+                                     mem_bw)  # fmt: skip
     comm = [*CM.layer_terms(lt, layers * m, lay.remat == "full"), *pp_terms]
     comm += CM.dp_terms(model, hw, lay, shape, lt, executor)
     comm += CM.sp_grad_terms(model, hw, lay, executor)

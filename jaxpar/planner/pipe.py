@@ -32,13 +32,15 @@ class ActionCosts:
     ``b``: a full backward (2, or 3 when the forward is recomputed); ``i``/``w``: the two halves
     of a split backward (input gradient, weight gradient) for zero-bubble schedules; ``head``:
     what the last stage adds to each micro-batch's forward and backward (the output head and
-    loss: :func:`jaxpar.pipeline.timing.stats`).
+    loss: :func:`jaxpar.pipeline.timing.stats`); ``f``: the forward, 1 but for what the
+    executor adds to every forward action (jaxpar's weight casts, :mod:`jaxpar.planner.cost`).
     """
 
     b: float = 2.0
     i: float = 1.0
     w: float = 1.0
     head: tuple[float, float] = (0.0, 0.0)
+    f: float = 1.0  # the forward itself: above 1 where an action carries more than its layers
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,9 @@ def _measure(kind: str, p: int, m: int, v: int, costs: ActionCosts, lockstep: bo
     from jaxpar.pipeline.timing import stats
 
     tables, ticks, sends, peaks, slots = _table(kind, p, m, v, memory)
-    st = stats(tables.schedule, f=1.0, b=costs.b, i=costs.i, w=costs.w, head=costs.head)
+    st = stats(tables.schedule, f=costs.f, b=costs.b, i=costs.i, w=costs.w, head=costs.head)
     if lockstep:  # jaxpar's executor: the ranks coupled at each tick's sends
-        makespan = coupled_makespan(tables, 1.0, costs.b, costs.i, costs.w, costs.head)
+        makespan = coupled_makespan(tables, costs.f, costs.b, costs.i, costs.w, costs.head)
     else:
         makespan = st.makespan
     return makespan, st.busy_per_rank, ticks, sends, peaks, slots
@@ -133,7 +135,7 @@ def figures(
     combinations the library refuses.
     """
     if p == 1:
-        busy = m * (1.0 + costs.b + sum(costs.head))
+        busy = m * (costs.f + costs.b + sum(costs.head))
         return PipeFigures(busy, busy, m, 0, (1,), (0, 0, 1), False)
     err = schedule_error(kind, p, m, v, memory)
     if err:
@@ -143,7 +145,7 @@ def figures(
     # search costs thousands of layouts whose ratios differ in the third decimal).
     step = lambda x: round(x * 20) / 20  # noqa: E731
     costs = ActionCosts(step(costs.b), step(costs.i), step(costs.w),
-                        (step(costs.head[0]), step(costs.head[1])))  # fmt: skip
+                        (step(costs.head[0]), step(costs.head[1])), step(costs.f))  # fmt: skip
     makespan, busy, ticks, sends, peaks, slots = _measure(kind, p, m0, v, costs, lockstep, memory)
     extra = m - m0
     if extra:
