@@ -148,6 +148,33 @@ def test_pipeline_costs_come_from_the_schedule_library():
                 assert a.makespan == pytest.approx(b.makespan, rel=1e-9)
 
 
+def test_tick_weight_work_sits_on_the_actions_that_do_it():
+    """jaxpar's pipeline casts a chunk's weights in F and I and accumulates its gradient in W:
+    the schedule is timed with that work on those actions (ActionCosts.f, b, i, w), so the
+    busiest rank's work grows by exactly the tick_weights term, and its lock-step makespan by
+    at least that."""
+    from jaxpar.planner import cost as CO
+    from jaxpar.planner.frameworks import JAXPAR
+    from jaxpar.planner.workload import Shape
+
+    model, hw = C.load_model("llama3-8b"), C.load_mesh("h100-8").hardware
+    shape = Shape(16, 2048)
+    lay = C.LayoutConfig(dp=2, tp=1, pp=4, zero=1, microbatches=8, schedule="zb-h1")
+    mem_bw = CO.memory_bound_bw(hw)
+    lt = CO.layer_time(model, hw, lay, shape, JAXPAR, mem_bw)
+    costs = CO.action_costs(lay, JAXPAR, lt)
+    head = CO.head_time(model, hw, lay, shape, mem_bw)
+    f_stage = model.n_layers // lay.pp * lt.forward
+    ex = CO.for_model(model, JAXPAR)
+    bare = dataclasses.replace(ex, follows_model=False)  # no tick weight work
+    with_w, _, _ = CO._pipeline(model, hw, lay, shape, ex, lt, costs, 0.0, head, mem_bw)
+    without, _, _ = CO._pipeline(model, hw, lay, shape, bare, lt, costs, 0.0, head, mem_bw)
+    extra = CO.tick_weights(model, lay, mem_bw, ex) / f_stage  # in units of a stage's F
+    assert extra > 0
+    assert with_w.busy - without.busy == pytest.approx(extra, rel=0.05)  # cost steps of 0.05
+    assert with_w.makespan - without.makespan >= extra * 0.95
+
+
 def test_links_share_the_nodes_nics():
     hw = C.load_mesh("a100-64").hardware
     assert HW.link_bw(hw, 1, 8) == hw.intra_node_bw  # tp inside a node
