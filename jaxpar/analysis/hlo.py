@@ -56,6 +56,7 @@ from jaxpar.analysis.hlo_text import (
     parse_module,
     replica_groups,
     shape_bytes,
+    source_target_pairs,
     split_top,
 )
 
@@ -187,9 +188,7 @@ def collective_bytes(compiled_or_hlo_text: Any, mesh: Any) -> CollectiveReport:
                 continue
             opnd = [shape_bytes(table.get(o, "")) for o in ins.operands]
             if kind == "collective-permute":
-                pm = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", ins.attrs)
-                pairs = re.findall(r"\{(\d+),(\d+)\}", pm.group(1) if pm else "")
-                moving = [(int(a), int(b)) for a, b in pairs if a != b]
+                moving = [(a, b) for a, b in source_target_pairs(ins.attrs) if a != b]
                 groups = [list(p) for p in moving]
                 n = 2 if moving else 1
                 # XLA:GPU combines sends with the same pairs into one permute of several

@@ -596,6 +596,13 @@ def _iota(reshape: list[int], perm: list[int] | None) -> np.ndarray:
     return a.transpose(perm) if perm else a
 
 
+def source_target_pairs(attrs: str) -> list[tuple[int, int]]:
+    """A ``collective-permute``'s (source, target) partition pairs, as printed in ``attrs``
+    (``[]`` where there are none)."""
+    pm = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
+    return [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pm.group(1) if pm else "")]
+
+
 def replica_groups(attrs: str, n_parts: int) -> list[list[int]]:
     """Groups of partition ids, from any of the three spellings (empty: one group of all)."""
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)

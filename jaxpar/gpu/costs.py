@@ -51,7 +51,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jaxpar.analysis.hlo_text import Instr, callees, replica_groups, shape_bytes
+from jaxpar.analysis.hlo_text import (
+    Instr,
+    callees,
+    replica_groups,
+    shape_bytes,
+    source_target_pairs,
+)
 from jaxpar.config import HardwareConfig
 from jaxpar.planner.collectives import call_time
 from jaxpar.planner.hardware import matmul_efficiency
@@ -395,9 +401,7 @@ class Coster:
         """The time of one ``kind`` call of ``ins`` (``wire_bytes`` per device, ring count)."""
         dpn = max(self.hw.devices_per_node, 1)
         if kind == "collective-permute":
-            pm = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", ins.attrs)
-            found = re.findall(r"\{(\d+),(\d+)\}", pm.group(1) if pm else "")
-            pairs = [(int(a), int(b)) for a, b in found]
+            pairs = source_target_pairs(ins.attrs)
             moving = [(a, b) for a, b in pairs if a != b]
             if not moving:
                 return Transfer(0.0, 0.0, kind, axes, 0.0, 1, 1, "none")

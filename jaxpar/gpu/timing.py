@@ -73,6 +73,7 @@ from jaxpar.analysis.hlo_text import (
     infer_trips,
     parse_module,
     program_text,
+    source_target_pairs,
 )
 from jaxpar.config import HardwareConfig
 from jaxpar.gpu.costs import Coster, Transfer, backend_config
@@ -387,13 +388,13 @@ class _Sim:
     def _peers(self, ins: Instr) -> list[int] | None:
         """The pipeline ranks a send/receive of this rank's exchanges with (its
         ``source_target_pairs``), or None where the pairs are not printed."""
-        pm = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", ins.attrs)
-        if pm is None or self.parts is None:
+        if "source_target_pairs" not in ins.attrs or self.parts is None:
             return None
+        pairs = source_target_pairs(ins.attrs)
         me = self.parts[self.rank]
         out = set()
-        for a, b in re.findall(r"\{(\d+),(\d+)\}", pm.group(1)):
-            for x, y in ((int(a), int(b)), (int(b), int(a))):
+        for a, b in pairs:
+            for x, y in ((a, b), (b, a)):
                 if x == me and y != me and y in self.parts:
                     out.add(self.parts.index(y))
         return sorted(out)
