@@ -7,7 +7,6 @@ runs a dot or nothing, as its row of a constant table says, then the two ranks e
 message. Rank 0 works in tick 0, rank 1 in tick 1, so each rank waits one dot for the other:
 the step is two dots and two sends, though each rank computes one dot."""
 
-import threading
 import types
 
 import numpy as np
@@ -145,7 +144,8 @@ def test_rendezvous_waits_for_peers_only_and_refuses_mismatches():
     with pytest.raises(Diverged, match="not reached by every rank"):
         run_ranks(lambda r, m: m.meet(r, 1, "cp", 0.0, None) if r == 0 else None, [0, 1])
 
-    # an error in one walk reaches the caller, and the other walks are not left waiting
+    # an error in one walk reaches the caller, and the other walk is not left waiting (the
+    # call returns)
     def boom(r: int, m: Rendezvous):
         if r == 1:
             raise KeyError("walk failed")
@@ -153,7 +153,6 @@ def test_rendezvous_waits_for_peers_only_and_refuses_mismatches():
 
     with pytest.raises(KeyError):
         run_ranks(boom, [0, 1])
-    assert threading.active_count() < 50
 
 
 def test_compile_output_lists_each_ranks_work_and_waits():

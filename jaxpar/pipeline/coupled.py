@@ -9,12 +9,10 @@ tick's pairs) have reached it. A tick thus lasts as long as the slowest rank of 
 a rank that exchanges with no one in a tick is not held by it, so the makespan is at most
 :func:`jaxpar.pipeline.timing.stats`' lock-step one (every tick as long as its slowest rank).
 
-Where a send is waited for between the phases instead (a cotangent sent after the backward and
-completed before the forward: ``cotangent_first``), each rank's forward starts only when its
-neighbours' backward phases have ended; with the last stage's ``FB`` the longest of them, its
-neighbour's forward follows it instead of running beside it, and a tick lasts longer than its
-slowest rank. The executor sent its cotangents so before; XLA:GPU placed the send's end before
-the forward even where the program had the forward in its window (BENCHMARKS.md).
+A send waited for between the phases instead (the executor's earlier cotangent) held each
+rank's forward until its neighbours' backward phases had ended, the last stage's ``FB`` the
+longest of them, so a tick lasted longer than its slowest rank (BENCHMARKS.md, "Pipeline ranks
+walked side by side").
 
 The time model of the compiled program walks the ranks the same way (:mod:`jaxpar.gpu.ranks`);
 this module gives the planner the makespan from the table alone. Costs are
@@ -54,8 +52,7 @@ def _couple(clock: np.ndarray, pairs) -> np.ndarray:
 
 
 def coupled_makespan(tables: StepTables, f: float = 1.0, b: float = 2.0, i: float = 1.0,
-                     w: float = 1.0, head: tuple[float, float] = (0.0, 0.0),
-                     cotangent_first: bool = False) -> float:  # fmt: skip
+                     w: float = 1.0, head: tuple[float, float] = (0.0, 0.0)) -> float:  # fmt: skip
     """The step of the tick table with the ranks coupled at every send (module docstring)."""
     back, fwd = phase_costs(tables, f, b, i, w, head)
     clock = np.zeros(back.shape[1])
@@ -67,11 +64,7 @@ def coupled_makespan(tables: StepTables, f: float = 1.0, b: float = 2.0, i: floa
                 clock = _couple(clock, r.pairs_at(tick))
 
     for t in range(back.shape[0]):
-        clock = clock + back[t]
-        if cotangent_first:
-            sends("grad", t)
-        clock = clock + fwd[t]
-        if not cotangent_first:
-            sends("grad", t)
+        clock = clock + back[t] + fwd[t]
+        sends("grad", t)
         sends("act", t)
     return float(clock.max())
