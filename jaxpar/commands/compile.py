@@ -176,14 +176,16 @@ def run(args: argparse.Namespace) -> int:
     run_flags = run_xla_flags(cfg.mesh.hardware, cfg.layout)
     flags = apply_flags(run_flags, plug.module)
     compiled = compile_step(cfg, target, flags)
-    out = report(cfg, compiled, trace=args.trace, timeline=getattr(args, "timeline", None))
+    text = program_text(compiled.compiled)  # printed once: the report reads it, --hlo keeps it
+    out = report(cfg, compiled, trace=args.trace, timeline=getattr(args, "timeline", None),
+                 text=text)  # fmt: skip
     # the mesh file's flags this layout runs without (as `jaxpar train` starts it)
     out["xla_flags"]["withheld"] = [f for f in cfg.mesh.hardware.xla_flags if f not in run_flags]
     if args.auto_layout is not None:
         out["auto_layout"] = args.auto_layout
     if args.hlo is not None:
         with open(args.hlo, "x") as f:
-            f.write(program_text(compiled.compiled))
+            f.write(text)
     if args.save is not None:
         from jaxpar.gpu.saved import save
 

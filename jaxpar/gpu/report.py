@@ -138,12 +138,13 @@ def estimate(cfg: RunConfig, c: Compiled, text: str | None = None) -> tuple[dict
 
 
 def report(cfg: RunConfig, c: Compiled, trace: str | None = None,
-           timeline: str | None = None) -> dict[str, Any]:  # fmt: skip
+           timeline: str | None = None, text: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole report (module docstring); ``trace``: write the simulated step there as a
     Chrome trace (:func:`jaxpar.gpu.trace.write_trace`), recorded as ``trace``; ``timeline``:
     draw it there as a PNG Gantt chart (:func:`jaxpar.gpu.timeline.draw_timeline`), recorded
-    as ``timeline``."""
-    text = program_text(c.compiled)
+    as ``timeline``; ``text``: the program's HLO when the caller printed it already
+    (:func:`jaxpar.analysis.hlo_text.program_text`)."""
+    text = text or program_text(c.compiled)
     calls = custom_calls(text)
     axes, overlap = collectives(cfg, c)
     est, step = estimate(cfg, c, text)
