@@ -173,6 +173,17 @@ def program_text(compiled: Any) -> str:
     return compiled.as_text()
 
 
+# An instruction XLA's rematerialization pass cloned: ``<name>.remat``, ``.remat2``, ... (a clone
+# of a clone stacks the suffixes). JAX's own recompute (``jax.checkpoint``) leaves no such name.
+_REMAT = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]*\.remat\d*(?:\.[\w.\-]*)?\s*=\s*")
+
+
+def remat_clones(text: str) -> int:
+    """Instructions of the program ``text`` that XLA's rematerialization pass added: work the
+    compiled step repeats to lower XLA's own estimate of the peak memory."""
+    return sum(1 for line in text.splitlines() if _REMAT.match(line))
+
+
 _CONSTANT = re.compile(r"%[\w.\-]+ = ([a-z]+\d*)\[[^\]]*\]\S* constant\(")
 
 

@@ -206,6 +206,11 @@ def run(args: argparse.Namespace) -> int:
         + ("fits" if m["fits"] else "does NOT fit")
         + f" {human_bytes(m['usable_bytes'])}"
     )
+    if m["recomputed_by_xla"]:
+        print(
+            f"  XLA's rematerialization recomputes {m['recomputed_by_xla']} instructions to "
+            "meet its memory limit (hardware.xla_flags: --xla_gpu_memory_limit_slop_factor)"
+        )
     for name, a in sorted(out["collectives"].items()):
         plan = a.get("planner_wire_bytes")
         print(f"  {name:<10} x{a['count']:<8.0f} {human_bytes(a['wire_bytes']):>11} on the wire"

@@ -29,7 +29,7 @@ from typing import Any
 
 from jaxpar.analysis.hlo import compiled_memory
 from jaxpar.analysis.hlo_gpu import async_collectives, custom_calls, overlap_by_axes
-from jaxpar.analysis.hlo_text import program_text
+from jaxpar.analysis.hlo_text import program_text, remat_clones
 from jaxpar.config import RunConfig
 from jaxpar.gpu.compile import Compiled, planner_traffic
 
@@ -40,8 +40,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def memory(cfg: RunConfig, c: Compiled) -> dict[str, Any]:
-    """XLA's memory figures beside the planner's for the same layout."""
+def memory(cfg: RunConfig, c: Compiled, text: str | None = None) -> dict[str, Any]:
+    """XLA's memory figures beside the planner's for the same layout; ``recomputed_by_xla``:
+    the instructions XLA's rematerialization pass cloned into the program (``text``) to meet
+    its memory limit (the mesh's ``--xla_gpu_memory_limit_slop_factor`` sets that limit)."""
     from jaxpar.commands.train import memory_estimate
 
     got = compiled_memory(c.compiled)
@@ -53,6 +55,7 @@ def memory(cfg: RunConfig, c: Compiled) -> dict[str, Any]:
     out["ratio"] = _ratio(got["total"], plan["per_device_bytes"])
     out["usable_bytes"] = plan["usable_bytes"]
     out["fits"] = got["total"] is not None and got["total"] <= plan["usable_bytes"]
+    out["recomputed_by_xla"] = remat_clones(text or program_text(c.compiled))
     return out
 
 
@@ -158,7 +161,7 @@ def report(cfg: RunConfig, c: Compiled, trace: str | None = None,
             "chosen": c.attention,
             "in_program": {k: v for k, v in calls.items() if k.startswith("__cudnn$fmha")},
         },
-        "memory": memory(cfg, c),
+        "memory": memory(cfg, c, text),
         "collectives": axes,
         "overlap": overlap,
         "estimate": est,
