@@ -436,3 +436,26 @@ def test_fit_recovers_the_constants_in_the_mesh_files():
     for g in HW.GENERATIONS:
         assert fit.of(g.name) == (g.matmul_share_max, g.elementwise_share), g
     assert [r["error"] for r in rows] == [r["error"] for r in P.comparison()]
+
+
+def test_chunked_loss_computes_its_logits_again_in_the_backward():
+    """jaxpar's loss over more than one chunk saves no logits, so the head costs four matmuls
+    a micro-batch (forward, the backward's recompute, two gradients); one chunk, or another
+    framework's dense loss, costs three."""
+    from jaxpar.planner import cost as CO
+    from jaxpar.planner.frameworks import JAXPAR
+    from jaxpar.planner.workload import Shape
+
+    model, hw = C.load_model("llama3-8b"), C.load_mesh("h100-8").hardware
+    lay = C.LayoutConfig(dp=8, tp=1, microbatches=1)
+    mem_bw = CO.memory_bound_bw(hw)
+    ex = CO.for_model(model, JAXPAR)
+    dense = dataclasses.replace(ex, loss="dense")
+    for seq, matmuls in ((2 * model.loss_chunk, 4), (model.loss_chunk, 3)):
+        shape = Shape(8, seq)
+        fwd, _ = CO._matmul(hw, seq, model.d_model, model.padded_vocab(1))
+        loss = 6 * seq * model.padded_vocab(1) * 4 / mem_bw
+        assert CO.head_time(model, hw, lay, shape, mem_bw, ex) == pytest.approx(
+            matmuls * fwd + loss
+        )
+        assert CO.head_time(model, hw, lay, shape, mem_bw, dense) == pytest.approx(3 * fwd + loss)

@@ -173,14 +173,17 @@ def moe_ffn_delta(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, sha
 
 
 def head_time(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape,
-              mem_bw: float) -> float:  # fmt: skip
-    """Head matmul, fp32 loss work and backward of one micro-batch (last pipeline stage)."""
+              mem_bw: float, ex: Executor = JAXPAR) -> float:  # fmt: skip
+    """Head matmul, fp32 loss work and backward of one micro-batch (last pipeline stage). A
+    ``chunked`` loss over more than one chunk keeps no logits: each chunk's backward computes
+    its logits again (``jaxpar.model.llama``: the chunk body saves nothing), a fourth matmul."""
     b = shape.microbatch_size(lay) or 1
     # the padded vocabulary when tp does not divide it (ModelConfig.padded_vocab)
     tokens, vocab = b * shape.seq / lay.sp, model.padded_vocab(lay.tp) / lay.tp
     fwd, _ = _matmul(hw, tokens, model.d_model, vocab)
     loss = 6 * tokens * vocab * 4 / mem_bw  # logits, softmax and its gradient in fp32
-    return 3 * fwd + loss
+    again = ex.loss == "chunked" and shape.seq > ex.loss_chunk
+    return (4 if again else 3) * fwd + loss
 
 
 def action_costs(
@@ -261,7 +264,7 @@ def step_cost(
     mem_bw = memory_bound_bw(hw, elementwise)
     lt = layer_time(model, hw, lay, shape, executor, mem_bw)
     layers, m = model.n_layers // lay.pp, lay.microbatches
-    head = head_time(model, hw, lay, shape, mem_bw)
+    head = head_time(model, hw, lay, shape, mem_bw, executor)
     costs = action_costs(lay, executor, lt)
     moe_fwd = 0.0  # this rank's MoE layers (a pipeline stage holds pp-th of them)
     if model.moe.enabled:
