@@ -53,6 +53,9 @@ def make_layout(**kw):
 
 
 def test_resume_equals_uninterrupted(make_cfg, tmp_path):
+    """Resumed from step 3, the run's losses equal an uninterrupted run's. Before that, the same
+    run again without ``--resume`` is refused and leaves the checkpoints as they were (existing
+    checkpoints are never overwritten)."""
     full = make_cfg(dp=4, tp=2)
     full.train.steps = 6
     ref = _losses(full)
@@ -62,6 +65,11 @@ def test_resume_equals_uninterrupted(make_cfg, tmp_path):
     first.train.checkpoint_dir = str(tmp_path / "ck")
     first.train.checkpoint_every = 3
     a = _losses(first)
+    before = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert "3" in before
+    with pytest.raises(CheckpointError, match="--resume"):
+        _run(first)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
     second = make_cfg(dp=4, tp=2)
     second.train.steps = 6
     second.train.checkpoint_dir = str(tmp_path / "ck")
@@ -71,15 +79,3 @@ def test_resume_equals_uninterrupted(make_cfg, tmp_path):
     np.testing.assert_array_equal(np.concatenate([a, out["losses"]]), ref)
     lines = (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()
     assert sum('"loss"' in line for line in lines) == 6  # appended, not rewritten
-
-
-def test_existing_checkpoints_are_never_overwritten(make_cfg, tmp_path):
-    cfg = make_cfg(dp=8)
-    cfg.train.steps = 2
-    cfg.train.checkpoint_dir = str(tmp_path)
-    cfg.train.checkpoint_every = 2
-    run(cfg, devices=jax.devices())
-    before = sorted(p.name for p in tmp_path.iterdir())
-    with pytest.raises(CheckpointError, match="--resume"):
-        run(cfg, devices=jax.devices())
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
