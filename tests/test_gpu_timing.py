@@ -15,6 +15,7 @@ import types
 
 import numpy as np
 import pytest
+from conftest import MODEL_YAML
 from test_gpu_compile import _compile, _plugin_or_fail, _report
 
 from jaxpar import config as C
@@ -391,14 +392,27 @@ def test_chrome_trace_tracks():
     ("step.txt", "must end in .json"),
     ("afile/step.json", "directory .* does not exist"),
 ])  # fmt: skip
-def test_bad_trace_path_refused_before_compiling(tmp_path, name, why):
-    _plugin_or_fail()
+def test_bad_trace_path_refused_before_compiling(tmp_path, name, why, capsys, monkeypatch):
+    """In process, the step's build failing the test: refused in one line, exit 2, before
+    anything is built (a real process's stderr: test_gpu_compile's refusal tests)."""
     (tmp_path / "exists.json").write_text("{}")
     (tmp_path / "afile").write_text("")
-    proc = _compile(tmp_path, "--mesh", "h100-8", "--trace", str(tmp_path / name), check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--trace" in lines[0], lines
+    _refused(tmp_path, "--trace", name, why, capsys, monkeypatch)
+
+
+def _refused(tmp_path, flag, name, why, capsys, monkeypatch):
+    from jaxpar.cli import main
+    from jaxpar.commands import compile as compile_cmd
+
+    monkeypatch.setattr(compile_cmd, "build_config", lambda args: pytest.fail("it compiled"))
+    model = tmp_path / "model.yaml"
+    model.write_text(MODEL_YAML)
+    argv = ["compile", "--model", str(model), "--global-batch", "8", "--seq-len", "64",
+            "--mesh", "h100-8", flag, str(tmp_path / name)]  # fmt: skip
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert out.out == "" and len(lines) == 1 and flag in lines[0], lines
     assert __import__("re").search(why, lines[0]), lines[0]
 
 
@@ -515,15 +529,9 @@ def test_timeline_phase_row():
     ("nodir/step.png", "directory .* does not exist"),
     ("step.json", "must end in .png"),
 ])  # fmt: skip
-def test_bad_timeline_path_refused_before_compiling(tmp_path, name, why):
-    _plugin_or_fail()
+def test_bad_timeline_path_refused_before_compiling(tmp_path, name, why, capsys, monkeypatch):
     (tmp_path / "exists.png").write_bytes(b"")
-    proc = _compile(tmp_path, "--mesh", "h100-8", "--timeline", str(tmp_path / name),
-                    check=False)  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--timeline" in lines[0], lines
-    assert __import__("re").search(why, lines[0]), lines[0]
+    _refused(tmp_path, "--timeline", name, why, capsys, monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------------
