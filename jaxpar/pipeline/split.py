@@ -6,9 +6,10 @@ re-run the input-gradient chain to reach each weight matmul's output cotangent (
 W ≈ 2 F). Here ``I`` keeps what each weight matmul's gradient needs instead, and ``W`` is the
 weight matmuls alone (≈ F):
 
-* A **weight dot** is a ``dot_general`` of the layer whose one operand depends on the layer's
-  input ``x`` (the activation) and whose other does not (the weight, after the layout's casts,
-  kv repeats, fused concatenations and ZeRO-3 gather). They are found once per trace from the
+* A **weight dot** is a ``dot_general`` of the layer (or a custom VJP around one, such as the
+  model's column-parallel ``project``) whose one operand depends on the layer's input ``x``
+  (the activation) and whose other does not (the weight, after the layout's casts, kv
+  repeats, fused concatenations and ZeRO-3 gather). They are found once per trace from the
   layer's jaxpr by following which values depend on ``x``; the model code is not touched.
 * :meth:`SplitLayer.forward` evaluates the layer's jaxpr with every weight dot rewritten as
   ``dot(a, stop_gradient(w)) + probe`` (``probe`` is a zero input of the dot's output shape)
@@ -60,6 +61,21 @@ def _bind(eqn: Any, invals: list) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def _is_dot(eqn: Any) -> bool:
+    """A ``dot_general``, or a custom VJP around one dot of its two operands (jaxpar's
+    ``project``, whose backward contracts in another order): linear in each operand, so its
+    weight gradient at a kept activation is the same product either way."""
+    if eqn.primitive.name == "dot_general":
+        return True
+    if eqn.primitive.name != "custom_vjp_call" or len(eqn.invars) != 2:
+        return False
+    inner = eqn.params.get("call_jaxpr")
+    eqns = getattr(getattr(inner, "jaxpr", None), "eqns", ())
+    return (len(eqns) == 1 and eqns[0].primitive.name == "dot_general"
+            and list(eqns[0].invars) == list(inner.jaxpr.invars)
+            and list(eqns[0].outvars) == list(inner.jaxpr.outvars))  # fmt: skip
+
+
 class SplitLayer:
     """One layer function, traced once, with its weight dots located (module docstring)."""
 
@@ -74,7 +90,7 @@ class SplitLayer:
         self.dots: list[_Dot] = []
         for i, eqn in enumerate(self.jaxpr.eqns):
             hit = [not isinstance(v, Literal) and v in tainted for v in eqn.invars]
-            if eqn.primitive.name == "dot_general" and sum(hit) == 1:
+            if _is_dot(eqn) and sum(hit) == 1:
                 self.dots.append(_Dot(i, hit.index(True)))
             if any(hit):
                 tainted.update(eqn.outvars)
