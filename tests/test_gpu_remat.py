@@ -1,16 +1,17 @@
-"""XLA:GPU's rematerialization pass against jaxpar's own recompute policy.
+"""XLA:GPU's memory limit: XLA's rematerialization left to the layout, and XLA's default where
+the program does not fit.
 
 XLA:GPU recomputes instructions when its estimate of a program's live memory passes
 ``(device memory - arguments) x slop / 100``. On jaxpar's programs that estimate runs well above
 the buffer assignment's (1.5-1.8x on the GPU grid's llama3-8b programs), so the pass cloned
 matmuls and fusions into programs that fit, at no saving in compiled memory. The GPU mesh
-files set ``--xla_gpu_memory_limit_slop_factor=300``: the layout's ``remat`` decides what is
-recomputed, and ``jaxpar compile`` reports the clones XLA still adds (``recomputed_by_xla``).
+files set ``--xla_gpu_memory_limit_slop_factor=300``; a step whose program then does not fit
+is compiled again at XLA's default (95) and the smaller kept (:mod:`jaxpar.xla_limit`).
+``jaxpar compile`` reports the clones XLA adds (``recomputed_by_xla``) and the limit used.
 
-The test model is tiny, so the target's device memory is shrunk (4 MB) until XLA's limit binds;
-the same program is compiled with XLA's default factor (95, the user's ``XLA_FLAGS`` winning
-over the mesh's flag) and with the mesh's. Each compile runs in its own process: XLA reads
-``XLA_FLAGS`` once.
+The test model is tiny, so the target's device memory is shrunk (4 MB) until XLA's default
+limit binds; the usable memory jaxpar checks against is the mesh's ``device_memory_bytes``.
+Each compile runs in its own process (XLA reads ``XLA_FLAGS`` once).
 """
 
 import json
@@ -18,11 +19,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import MODEL_YAML
 
 from jaxpar import config as C
+from jaxpar import xla_limit as XL
 
-DEVICE_BYTES = 4_000_000
+TARGET_BYTES = 4_000_000
 _SCRIPT = """
 import dataclasses, sys
 import jaxpar.gpu.targets as T
@@ -34,16 +37,14 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _compile(tmp_path, xla_flags: str | None) -> dict:
+def _compile(tmp_path, *flags: str) -> dict:
     model = tmp_path / "model.yaml"
     model.write_text(MODEL_YAML)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if xla_flags is not None:
-        env["XLA_FLAGS"] = xla_flags
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-c", _SCRIPT.format(mem=DEVICE_BYTES), "compile", "--model",
+    cmd = [sys.executable, "-c", _SCRIPT.format(mem=TARGET_BYTES), "compile", "--model",
            str(model), "--mesh", "h100-8", "--global-batch", "8", "--seq-len", "64", "--dp", "8",
-           "--tp", "1", "--json"]  # fmt: skip
+           "--tp", "1", "--json", *flags]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -55,17 +56,61 @@ def test_every_gpu_mesh_sets_xlas_memory_limit_above_its_estimate():
         assert "--xla_gpu_memory_limit_slop_factor=300" in flags, name
 
 
-def test_xla_recomputes_nothing_under_the_mesh_flags(tmp_path):
-    default = _compile(tmp_path, "--xla_gpu_memory_limit_slop_factor=95")
+def test_xla_recomputes_nothing_under_the_mesh_limit_and_falls_back_where_it_does_not_fit(
+    tmp_path,
+):
+    fits = _compile(tmp_path)
+    m = fits["memory"]
+    assert "--xla_gpu_memory_limit_slop_factor=300" in fits["xla_flags"]["applied"]
+    assert m["fits"] and m["recomputed_by_xla"] == 0
+    assert m["xla_memory_limit"] == {"slop_factor": 300, "recompiled": False,
+                                     "first_bytes": None, "second_bytes": None}  # fmt: skip
+    # the same program past the mesh's usable memory: compiled again at XLA's default, where
+    # the shrunk target's limit binds and XLA's pass clones work (here for 512 bytes less)
+    usable = int(m["total"] / 1.01 / 0.92)
     (tmp_path / "model.yaml").unlink()
-    mesh = _compile(tmp_path, None)
-    # the user's XLA_FLAGS win over the mesh's flag of the same name
-    assert default["xla_flags"]["overridden"] == ["--xla_gpu_memory_limit_slop_factor=300"]
-    assert "--xla_gpu_memory_limit_slop_factor=95" in default["xla_flags"]["applied"]
-    assert "--xla_gpu_memory_limit_slop_factor=300" in mesh["xla_flags"]["applied"]
-    # the control: at XLA's default the shrunk device's limit binds and the pass clones work
-    assert default["memory"]["recomputed_by_xla"] > 0
-    assert mesh["memory"]["recomputed_by_xla"] == 0
-    # what the clones cost: the same step computes more, in (nearly) the same memory
-    assert mesh["estimate"]["compute_s"] < default["estimate"]["compute_s"]
-    assert mesh["memory"]["total"] <= 1.01 * default["memory"]["total"]
+    again = _compile(tmp_path, "-o", f"hardware.device_memory_bytes={usable}")
+    m2, lim = again["memory"], again["memory"]["xla_memory_limit"]
+    assert not m2["fits"]
+    assert lim["first_bytes"] == m["total"] and lim["second_bytes"] < m["total"]
+    assert lim == {"slop_factor": 95, "recompiled": True, "first_bytes": m["total"],
+                   "second_bytes": m2["total"]}  # fmt: skip
+    assert m2["recomputed_by_xla"] > 0
+    # what the clones cost: the same step computes more
+    assert again["estimate"]["compute_s"] > fits["estimate"]["compute_s"]
+
+
+class _Lowered:
+    """A lowered step whose compiles return programs of the given sizes (no XLA)."""
+
+    def __init__(self, first: int, second: int):
+        self.sizes, self.options = [first, second], []
+
+    def compile(self, compiler_options=None):
+        self.options.append(compiler_options)
+        return self.sizes[len(self.options) - 1]
+
+
+@pytest.mark.parametrize(
+    "flags, first, second, kept, limit",
+    [
+        ("", 900, 500, 900, XL.MemoryLimit(None)),
+        ("--xla_gpu_memory_limit_slop_factor=95", 900, 500, 900, XL.MemoryLimit(95)),
+        ("--xla_gpu_memory_limit_slop_factor=300", 700, 500, 700, XL.MemoryLimit(300)),
+        ("--xla_gpu_memory_limit_slop_factor=300", 900, 800, 800,
+         XL.MemoryLimit(95, True, 900, 800)),
+        ("--xla_gpu_memory_limit_slop_factor=300", 900, 950, 900,
+         XL.MemoryLimit(300, False, 900, 950)),
+        ("--xla_gpu_memory_limit_slop_factor=95 --xla_gpu_memory_limit_slop_factor=300", 900,
+         800, 800, XL.MemoryLimit(95, True, 900, 800)),
+    ],
+)  # fmt: skip
+def test_compile_within_keeps_the_smaller_program_past_the_usable_memory(
+    monkeypatch, flags, first, second, kept, limit
+):
+    monkeypatch.setattr(XL, "_total", lambda compiled: compiled)
+    low = _Lowered(first, second)
+    got, lim = XL.compile_within(low, 800, env={"XLA_FLAGS": flags})
+    assert (got, lim) == (kept, limit)
+    again = [{XL.SLOP: XL.XLA_DEFAULT}] if limit.first_bytes is not None else []
+    assert low.options == [None, *again]

@@ -206,6 +206,13 @@ def run(args: argparse.Namespace) -> int:
         + ("fits" if m["fits"] else "does NOT fit")
         + f" {human_bytes(m['usable_bytes'])}"
     )
+    lim = m["xla_memory_limit"]
+    if lim and lim["first_bytes"] is not None:
+        kept = "kept" if lim["recompiled"] else "larger, not kept"
+        print(
+            f"  compiled at {human_bytes(lim['first_bytes'])} under the mesh's XLA memory limit, "
+            f"past the usable memory: compiled again at XLA's default ({kept})"
+        )
     if m["recomputed_by_xla"]:
         print(
             f"  XLA's rematerialization recomputes {m['recomputed_by_xla']} instructions to "

@@ -43,7 +43,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def memory(cfg: RunConfig, c: Compiled, text: str | None = None) -> dict[str, Any]:
     """XLA's memory figures beside the planner's for the same layout; ``recomputed_by_xla``:
     the instructions XLA's rematerialization pass cloned into the program (``text``) to meet
-    its memory limit (the mesh's ``--xla_gpu_memory_limit_slop_factor`` sets that limit)."""
+    its memory limit (the mesh's ``--xla_gpu_memory_limit_slop_factor`` sets that limit);
+    ``xla_memory_limit``: the factor the program was compiled under, and whether it was
+    compiled again at XLA's default because it did not fit (:mod:`jaxpar.xla_limit`)."""
     from jaxpar.commands.train import memory_estimate
 
     got = compiled_memory(c.compiled)
@@ -56,6 +58,8 @@ def memory(cfg: RunConfig, c: Compiled, text: str | None = None) -> dict[str, An
     out["usable_bytes"] = plan["usable_bytes"]
     out["fits"] = got["total"] is not None and got["total"] <= plan["usable_bytes"]
     out["recomputed_by_xla"] = remat_clones(text or program_text(c.compiled))
+    lim = c.trainer.memory_limit  # the XLA memory limit the program was compiled under
+    out["xla_memory_limit"] = dataclasses.asdict(lim) if lim is not None else None
     return out
 
 

@@ -25,6 +25,7 @@ from jaxpar.pipeline.rest import STAGE_AXIS, RestLayout
 from jaxpar.train.grads import GradContext, loss_grads_stats, mean_loss, microbatch_split
 from jaxpar.train.guard import inject_nonfinite
 from jaxpar.train.reduce import DPReduction
+from jaxpar.xla_limit import MemoryLimit, compile_within
 
 State = dict[str, Any]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -155,6 +156,7 @@ class Trainer:
             donate_argnums=(0,),
         )
         self._compiled = None
+        self.memory_limit: MemoryLimit | None = None  # set by compile_step
         self._eval = jax.jit(
             self._eval_fn, in_shardings=(self.device_shardings["params"], self.batch_sharding)
         )
@@ -322,5 +324,11 @@ class Trainer:
                 jnp.int32,
                 sharding=self.batch_sharding,
             )
-            self._compiled = self._step.lower(abstract, batch).compile()
+            lowered = self._step.lower(abstract, batch)
+            # XLA:GPU's memory limit: the mesh's, or XLA's default where the program compiled
+            # under the mesh's does not fit the device (jaxpar.xla_limit)
+            from jaxpar.planner.search import usable
+
+            usable_bytes = usable(self.cfg.mesh.hardware)
+            self._compiled, self.memory_limit = compile_within(lowered, usable_bytes)
         return self._compiled
