@@ -65,11 +65,11 @@ def test_xla_recomputes_nothing_under_the_mesh_limit_and_falls_back_where_it_doe
     assert m["fits"] and m["recomputed_by_xla"] == 0
     assert m["xla_memory_limit"] == {"slop_factor": 300, "recompiled": False,
                                      "first_bytes": None, "second_bytes": None}  # fmt: skip
-    # the same program past the mesh's usable memory: compiled again at XLA's default, where
-    # the shrunk target's limit binds and XLA's pass clones work (here for 512 bytes less)
-    usable = int(m["total"] / 1.01 / 0.92)
+    # the same program on a mesh whose device is 256 bytes smaller than it: compiled again at
+    # XLA's default, where the shrunk target's limit binds and XLA's pass clones work, for 512
+    # bytes less here: the one of the two the device holds, so it is kept
     (tmp_path / "model.yaml").unlink()
-    again = _compile(tmp_path, "-o", f"hardware.device_memory_bytes={usable}")
+    again = _compile(tmp_path, "-o", f"hardware.device_memory_bytes={m['total'] - 256}")
     m2, lim = again["memory"], again["memory"]["xla_memory_limit"]
     assert not m2["fits"]
     assert lim["first_bytes"] == m["total"] and lim["second_bytes"] < m["total"]
@@ -91,26 +91,27 @@ class _Lowered:
         return self.sizes[len(self.options) - 1]
 
 
+RAISED = "--xla_gpu_memory_limit_slop_factor=300"
+
+
 @pytest.mark.parametrize(
     "flags, first, second, kept, limit",
     [
         ("", 900, 500, 900, XL.MemoryLimit(None)),
         ("--xla_gpu_memory_limit_slop_factor=95", 900, 500, 900, XL.MemoryLimit(95)),
-        ("--xla_gpu_memory_limit_slop_factor=300", 700, 500, 700, XL.MemoryLimit(300)),
-        ("--xla_gpu_memory_limit_slop_factor=300", 900, 800, 800,
-         XL.MemoryLimit(95, True, 900, 800)),
-        ("--xla_gpu_memory_limit_slop_factor=300", 900, 950, 900,
-         XL.MemoryLimit(300, False, 900, 950)),
-        ("--xla_gpu_memory_limit_slop_factor=95 --xla_gpu_memory_limit_slop_factor=300", 900,
-         800, 800, XL.MemoryLimit(95, True, 900, 800)),
+        (RAISED, 700, 500, 700, XL.MemoryLimit(300)),  # fits: compiled once
+        (RAISED, 900, 800, 800, XL.MemoryLimit(95, True, 900, 800)),  # the second fits
+        (RAISED, 1100, 950, 950, XL.MemoryLimit(95, True, 1100, 950)),  # only it fits the device
+        (RAISED, 950, 940, 950, XL.MemoryLimit(300, False, 950, 940)),  # neither: the faster
+        (RAISED, 900, 950, 900, XL.MemoryLimit(300, False, 900, 950)),
+        ("--xla_gpu_memory_limit_slop_factor=95 " + RAISED, 900, 800, 800,
+         XL.MemoryLimit(95, True, 900, 800)),  # the last flag wins, as in XLA
     ],
 )  # fmt: skip
-def test_compile_within_keeps_the_smaller_program_past_the_usable_memory(
-    monkeypatch, flags, first, second, kept, limit
-):
+def test_compile_within_keeps_a_program_that_fits(monkeypatch, flags, first, second, kept, limit):
     monkeypatch.setattr(XL, "_total", lambda compiled: compiled)
     low = _Lowered(first, second)
-    got, lim = XL.compile_within(low, 800, env={"XLA_FLAGS": flags})
+    got, lim = XL.compile_within(low, 800, 1000, env={"XLA_FLAGS": flags})
     assert (got, lim) == (kept, limit)
     again = [{XL.SLOP: XL.XLA_DEFAULT}] if limit.first_bytes is not None else []
     assert low.options == [None, *again]

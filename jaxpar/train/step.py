@@ -329,6 +329,8 @@ class Trainer:
             # under the mesh's does not fit the device (jaxpar.xla_limit)
             from jaxpar.planner.search import usable
 
-            usable_bytes = usable(self.cfg.mesh.hardware)
-            self._compiled, self.memory_limit = compile_within(lowered, usable_bytes)
+            hw = self.cfg.mesh.hardware
+            self._compiled, self.memory_limit = compile_within(
+                lowered, usable(hw), hw.device_memory_bytes
+            )
         return self._compiled
