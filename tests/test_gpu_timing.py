@@ -434,7 +434,8 @@ def test_compile_estimate_and_trace(tmp_path):
     cp = est["critical_path"]
     assert cp["compute_s"] + cp["comm_s"]["total"] == pytest.approx(est["step_s"], rel=1e-9)
     assert set(cp["comm_s"]) == set(est["exposed_s"]) and 0 < len(cp["top"]) <= TM.TOP_PATH
-    assert cp["comm_s"]["total"] >= est["exposed_s"]["total"]  # a collective on it counts whole
+    # (no bound on the path's pp seconds here: a rank's waits for the others are exposed on it,
+    # while the path runs through the rank that arrived last, critical.py)
     assert est["step_ratio"] == pytest.approx(est["planner_step_s"] / est["step_s"])
     assert 0 < est["mfu"] < 1
     assert est["tflops_per_device"] == pytest.approx(est["mfu"] * HW.peak_flops_bf16 / 1e12)

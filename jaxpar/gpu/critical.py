@@ -8,8 +8,12 @@ after a done that waited, that interval is the collective itself; an asynchronou
 starts when its start op is reached (the compute stream before it) or, when later, when the
 previous collective of its stream ends. The chain tiles the step: its compute seconds plus its
 collective seconds (per mesh-axis set, the ``exposed_s`` keys) are ``step_s``. A collective on
-it counts whole (its window's compute, hidden under it, is not on the path), so its seconds on
-the path are at least its exposed ones; a collective hidden entirely is not on it. It is built
+it counts whole (its window's compute, hidden under it, is not on the path), so in one walk its
+seconds on the path are at least its exposed ones; a collective hidden entirely is not on it.
+With a pipeline's ranks walked (:mod:`jaxpar.gpu.ranks`) a rank's wait for the others is
+exposed on that rank, while the path runs on through the rank that reached the collective
+last (its compute, its collectives), so there an axis's seconds on the path can be below its
+exposed ones. It is built
 while simulating: every interval holds a link to the chain that ends at its start, so the walk
 back is the length of the path, and the loop iterations added without walking
 (:mod:`jaxpar.gpu.timing`) add their iteration's stretch of each chain once per trip.
