@@ -43,9 +43,10 @@ class MemoryLimit:
     second_bytes: int | None = None
 
 
-def slop_factor(env: Mapping[str, str] | None = None) -> int | None:
-    """The factor ``XLA_FLAGS`` sets (the last one wins, as XLA reads them), else None."""
-    found = _FLAG.findall((os.environ if env is None else env).get("XLA_FLAGS", ""))
+def slop_factor(flags: str) -> int | None:
+    """The factor the XLA flags ``flags`` set (the last one wins, as XLA reads them), else
+    None."""
+    found = _FLAG.findall(flags)
     return int(found[-1]) if found else None
 
 
@@ -61,7 +62,7 @@ def compile_within(lowered: Any, usable_bytes: float, device_bytes: float,
     and the program's bytes per device exceed ``usable_bytes``, compiled again at XLA's
     default, which is kept where it fits ``usable_bytes`` or where only it fits in
     ``device_bytes`` (module docstring)."""
-    slop = slop_factor(env)
+    slop = slop_factor((os.environ if env is None else env).get("XLA_FLAGS", ""))
     compiled = lowered.compile()
     if slop is None or slop <= XLA_DEFAULT:
         return compiled, MemoryLimit(slop)

@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     )
     lim = m["xla_memory_limit"]
     if lim and lim["first_bytes"] is not None:
-        kept = "kept" if lim["recompiled"] else "larger, not kept"
+        kept = "kept" if lim["recompiled"] else "not kept: it does not fit either"
         print(
             f"  compiled at {human_bytes(lim['first_bytes'])} under the mesh's XLA memory limit, "
             f"past the usable memory: compiled again at XLA's default ({kept})"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from jaxpar.xla_limit import XLA_DEFAULT, slop_factor
+
 ATTENTION = ("dense", "blockwise")
 # HBM passes over a layer's saved activations per forward for the memory-bound remainder:
 # fused kernels (XLA's fusions, Megatron/Transformer Engine's fused norms and activations)
@@ -197,12 +199,11 @@ def for_target(hw, executor: Executor = JAXPAR) -> Executor:
 
 # XLA:GPU's latency-hiding scheduler plans for SCHEDULER_BASE of the device's memory less the
 # program's arguments and outputs, times the slop factor (GetSchedulerMemoryLimit in
-# xla/service/gpu/gpu_hlo_schedule.cc; --xla_gpu_memory_limit_slop_factor, default 95). Past
-# that limit it schedules for memory and overlaps nothing: the llama2-70b ZeRO-3 steps on
-# a100-64 whose temporaries exceed it mark 98-99% of their collective bytes is_sync, those
-# under it 3-4%.
+# xla/service/gpu/gpu_hlo_schedule.cc; --xla_gpu_memory_limit_slop_factor, default 95:
+# jaxpar.xla_limit.XLA_DEFAULT). Past that limit it schedules for memory and overlaps nothing:
+# the llama2-70b ZeRO-3 steps on a100-64 whose temporaries exceed it mark 98-99% of their
+# collective bytes is_sync, those under it 3-4%.
 SCHEDULER_BASE = 0.80
-SCHEDULER_SLOP = 95
 
 
 def scheduler_limit(hw, io_bytes: float) -> float:
@@ -214,10 +215,7 @@ def scheduler_limit(hw, io_bytes: float) -> float:
     (:mod:`jaxpar.xla_limit`: llama2-70b dp 16 x tp 4 + SP ZeRO-3 on a100-64, 79.1 GiB at 300,
     72.9 GiB at 95 with nothing overlapped). So a factor above the default counts as the
     default here; a lower one is taken as set."""
-    slop = SCHEDULER_SLOP
-    for flag in hw.xla_flags or ():
-        if flag.startswith("--xla_gpu_memory_limit_slop_factor="):
-            slop = min(int(flag.split("=", 1)[1]), SCHEDULER_SLOP)
+    slop = min(slop_factor(" ".join(hw.xla_flags or ())) or XLA_DEFAULT, XLA_DEFAULT)
     return max(0.0, (SCHEDULER_BASE * hw.device_memory_bytes - io_bytes) * slop / 100)
 
 
