@@ -21,6 +21,7 @@ import sys
 
 import pytest
 from conftest import MODEL_YAML
+from test_gpu_compile import GPU_MESHES
 
 from jaxpar import config as C
 from jaxpar import xla_limit as XL
@@ -50,8 +51,8 @@ def _compile(tmp_path, *flags: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_every_gpu_mesh_sets_xlas_memory_limit_above_its_estimate():
-    for name in ("a100-8", "a100-40gb-8", "a100-64", "h100-8", "h100-1024", "h200-8"):
+def test_every_gpu_mesh_raises_xlas_memory_limit():
+    for name in GPU_MESHES:
         flags = C.load_mesh(name).hardware.xla_flags
         assert "--xla_gpu_memory_limit_slop_factor=300" in flags, name
 
@@ -72,7 +73,7 @@ def test_xla_recomputes_nothing_under_the_mesh_limit_and_falls_back_where_it_doe
     again = _compile(tmp_path, "-o", f"hardware.device_memory_bytes={m['total'] - 256}")
     m2, lim = again["memory"], again["memory"]["xla_memory_limit"]
     assert not m2["fits"]
-    assert lim["first_bytes"] == m["total"] and lim["second_bytes"] < m["total"]
+    assert m2["total"] < m["total"]
     assert lim == {"slop_factor": 95, "recompiled": True, "first_bytes": m["total"],
                    "second_bytes": m2["total"]}  # fmt: skip
     assert m2["recomputed_by_xla"] > 0
