@@ -19,10 +19,14 @@ window, :mod:`jaxpar.analysis.hlo_gpu`):
 
 Their VJPs are the same two rings the other way round, written out (``jax.custom_vjp``) so that
 the backward keeps only the sequence *shard* of a column-parallel input (the ring passes it
-again for the weight gradient, as the gathered path regathers it) and computes ``dW`` inside
-the ring that also moves ``dx``: the backward of :func:`column_parallel` is a reduce-scatter
-ring of ``dy·Wᵀ`` beside a ring of ``x`` chunks (``dW = Σ xₖᵀ·dyₖ``), the backward of
-:func:`row_parallel` one ring of ``dy`` chunks giving both ``dh`` (into their slots) and ``dW``.
+again for the weight gradient, as the gathered path regathers it): the backward of
+:func:`column_parallel` is a reduce-scatter ring of ``dy·Wᵀ`` beside a ring of ``x`` chunks, the
+backward of :func:`row_parallel` one ring of ``dy`` chunks giving ``dh`` into their slots. The
+chunks a backward ring brings are written into one gathered buffer and ``dW`` is one matmul
+over the whole sequence after the ring, as Megatron's weight-gradient GEMM waits for its
+all-gather: summed chunk by chunk instead, every ring step would add a partial ``dW`` (the
+size of the weight shard, fp32) into an accumulator, ``tp`` passes of the weight gradient
+through device memory per matmul per micro-batch.
 Wire bytes equal the all-gather's and reduce-scatter's ((tp - 1)/tp of the full activation per
 ring); each ring holds two chunk buffers in flight besides its output.
 
@@ -30,7 +34,7 @@ Each ring runs in a ``jax.shard_map`` manual over the residual stream's sequence
 (``act_seq``: ``tp``, and ``sp`` when it is > 1: a weight's gradient is then summed over ``sp``
 by the map's transpose, as GSPMD sums it without the ring) on the mesh that is active (inside the
 step's manual dp region, on what remains of it); other axes keep their GSPMD shardings.
-Gradient sums are fp32 (``dW`` over the chunks); the reduce-scatter's accumulator is the
+``dW`` is accumulated in fp32 inside its matmul; the reduce-scatter's accumulator is the
 compute dtype, as NCCL's ring reduces in the dtype it sends.
 """
 
@@ -143,22 +147,24 @@ def _add(acc, x):
 _barrier = jax.lax.optimization_barrier
 
 
-def _gather_apply(x: jax.Array, t: int, f, out_shape, dtype, extra=None):
-    """The all-gather ring: ``f(chunk_from_rank_k)`` placed in slot ``k`` for every ``k``;
-    ``extra(chunk, k, carry)`` folds each chunk into a carry too (a backward's ``dW``)."""
+def _gather_apply(x: jax.Array, t: int, f, out_shape, dtype, keep: bool = False):
+    """The all-gather ring: ``f(chunk_from_rank_k)`` placed in slot ``k`` for every ``k``. With
+    ``keep``, the chunks themselves are placed too (the gathered ``x``, for a backward's ``dW``
+    after the ring); else None in its place."""
     r = jax.lax.axis_index(TP)
     out = jnp.zeros(out_shape, dtype)
-    cur, carry = x, None
+    full = jnp.zeros((x.shape[0], t * x.shape[1], *x.shape[2:]), x.dtype) if keep else None
+    cur = x
     for i in range(t):
         k = (r - i) % t  # cur came from rank k
         nxt = _send(cur, t) if i < t - 1 else None  # in flight during this chunk's matmuls
         out = _place(out, f(cur), k)
-        if extra is not None:
-            carry = extra(cur, k, carry)
+        if keep:
+            full = _place(full, cur, k)
         if nxt is not None:
-            nxt, out, carry = _barrier((nxt, out, carry))
+            nxt, out, full = _barrier((nxt, out, full))
         cur = nxt
-    return out, carry
+    return out, full
 
 
 def _scatter_reduce(t: int, part, operand):
@@ -185,23 +191,24 @@ def _ag_matmul_fwd(x, w, t):
 
 
 def _ag_matmul_bwd(t, res, dy):
-    """dx: ``Σ_ranks dy[chunk r]·Wᵀ`` (a reduce-scatter ring); dW: ``Σ_k x_kᵀ·dy[chunk k]``
-    (``x`` chunks passed round a second ring). Both rings' sends of step ``i`` run beside its
-    two matmuls."""
+    """dx: ``Σ_ranks dy[chunk r]·Wᵀ`` (a reduce-scatter ring) beside a ring of ``x`` chunks
+    gathered into the whole ``x``; dW: ``xᵀ·dy``, one matmul after the rings. Both rings'
+    sends of step ``i`` run beside its ``dx`` matmul."""
     x, w = res
     r = jax.lax.axis_index(TP)
     axes = (tuple(range(2, dy.ndim)), tuple(range(1, w.ndim)))
-    cur, acc, dw = x, None, None
+    full = jnp.zeros((x.shape[0], t * x.shape[1], *x.shape[2:]), x.dtype)
+    cur, acc = x, None
     for i in range(t):
         k = (r - i) % t  # cur came from rank k
         nxt = _send(cur, t) if i < t - 1 else None
         sent = _send(acc, t) if i else None
-        dw = _add(dw, _dw(cur, _chunk(dy, k, t)))
+        full = _place(full, cur, k)
         acc = _add(sent, jnp.tensordot(_chunk(dy, (r - 1 - i) % t, t), w, axes))
         if nxt is not None:
-            nxt, acc, dw, dy = _barrier((nxt, acc, dw, dy))
+            nxt, acc, full, dy = _barrier((nxt, acc, full, dy))
         cur = nxt
-    return acc.astype(x.dtype), dw.astype(w.dtype)
+    return acc.astype(x.dtype), _dw(full, dy).astype(w.dtype)
 
 
 _ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd)
@@ -217,19 +224,16 @@ def _matmul_rs_fwd(h, w, n, t):
 
 
 def _matmul_rs_bwd(n, t, res, dy):
-    """``dh[chunk k] = dy_k·Wᵀ`` and ``dW = Σ_k h[chunk k]ᵀ·dy_k``, with ``dy_k`` (rank
-    ``k``'s) arriving round an all-gather ring."""
+    """``dh[chunk k] = dy_k·Wᵀ`` with ``dy_k`` (rank ``k``'s) arriving round an all-gather ring
+    that also gathers the whole ``dy``; ``dW = hᵀ·dy``, one matmul after the ring."""
     h, w = res
     last = tuple(range(n, w.ndim))
 
     def dh(dyc):
         return jnp.tensordot(dyc, w, (tuple(range(2, dyc.ndim)), last)).astype(h.dtype)
 
-    def dw(dyc, k, acc):
-        return _add(acc, _dw(_chunk(h, k, t), dyc))
-
-    out, dw_sum = _gather_apply(dy, t, dh, h.shape, h.dtype, extra=dw)
-    return out, dw_sum.astype(w.dtype)
+    out, dy_full = _gather_apply(dy, t, dh, h.shape, h.dtype, keep=True)
+    return out, _dw(h, dy_full).astype(w.dtype)
 
 
 _matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd)
