@@ -109,7 +109,7 @@ def test_communication_and_the_mesh_layout_beside_the_pick(capsys):
     text = capsys.readouterr().out
     out = _last_json(text)
     text = render({**out, "headline": ""})
-    assert "the mesh file's own layout: dp=2 tp=8 pp=4" in text and "vs recommended: +" in text
+    assert "the mesh file's own layout: dp=2 tp=8 +SP pp=4" in text and "vs recommended: +" in text
     # past XLA:GPU's scheduler limit the pick says so, and then hides no data-parallel call
     assert out["flags"] is not None
     if any("memory pressure" in f for f in out["flags"]):

@@ -53,6 +53,9 @@ XLA_UPDATE = 0.0  # optimizer temporaries, share of the optimizer shard (calibra
 XLA_HEAD = 2.21  # fp32 logits-sized buffers alive at the loss (calibrated)
 XLA_RECOMPUTE = 0.94  # share of one un-rematerialised layer alive while recomputing (calibrated)
 XLA_BACKWARD = 0.85  # share of one layer's residuals alive as backward transients (calibrated)
+# Megatron-SP's backward: activations gathered over tp for the weight gradients (the input of a
+# column-parallel matmul, the cotangent of a row-parallel one), alive together (calibrated).
+SP_GATHERED = 2.0
 
 
 def pipe_figures(lay: LayoutConfig, executor: Executor = JAXPAR) -> PipeFigures:
@@ -151,6 +154,10 @@ def _activations(model, lay, shape, executor, pipe, pc, tokens) -> tuple[float, 
         acts += XLA_RECOMPUTE * full_layer
     else:
         acts += XLA_BACKWARD * full_layer
+    if lay.sequence_parallel and lay.tp > 1:
+        # Each weight gradient is one matmul over the whole sequence after its ring
+        # (jaxpar.model.collective_matmul), as Megatron's waits for its all-gather.
+        acts += SP_GATHERED * wc * tokens * model.d_model
     if lay.zero == 3:
         # The embedding and head tables are gathered whole (their layers are not scanned).
         acts += wc * (pc.local - pc.blocks)
