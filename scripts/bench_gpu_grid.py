@@ -9,10 +9,11 @@ time, and the compile's ``estimate`` (:mod:`jaxpar.gpu.timing`: the scheduled pr
 on the mesh file's hardware — step, compute, exposed communication per mesh axis, TFLOP/s per
 device, MFU — beside the planner's step, ``step_ratio`` = planner / estimate). Rows:
 
-* llama2-70b on a100-64: the mesh file's production layout, the planner's pick (``jaxpar
-  plan``: dp 32 x tp 2 + SP, ZeRO-3, selective recompute, two micro-batches), the same with
-  one micro-batch (past XLA:GPU's scheduler memory limit), the former pick (ZeRO-3 over dp 64)
-  and the rule of thumb (dp 4 x tp 8 + SP x pp 2, 1F1B, ZeRO-1);
+* llama2-70b on a100-64: the mesh file's production layout, the planner's pick as it stands
+  (``--layout auto``), two former picks — dp 32 x tp 2 + SP, ZeRO-3, selective recompute, two
+  micro-batches (``70b-planner``), the same with one micro-batch (past XLA:GPU's scheduler
+  memory limit) and ZeRO-3 over dp 64 — and the rule of thumb (dp 4 x tp 8 + SP x pp 2,
+  1F1B, ZeRO-1);
 * llama3-8b on h100-8 at 8 × 4096 tokens: DDP, ZeRO-1/2/3, tp 8 + SP, pp 2 × tp 4, Ulysses sp 8;
 * mixtral-8x7b on h100-8 at 16 × 8192 tokens, dp 8 ZeRO-3, full recompute, no offload (host
   offload does not compile deviceless): ep 1, ep 2 with the padded and the ragged dispatch,
@@ -42,6 +43,7 @@ PP4 = ("--global-batch", "16", "--seq-len", "2048", "--pp", "4", "--dp", "2", "-
        "--zero", "1", "--microbatches", "8")  # fmt: skip
 ROWS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "70b-production": ("llama2-70b", "a100-64", ()),
+    "70b-pick": ("llama2-70b", "a100-64", ("--layout", "auto")),
     "70b-planner": ("llama2-70b", "a100-64", ("--dp", "32", "--tp", "2", "--sequence-parallel",
                                               "--pp", "1", "--zero", "3", "--remat", "selective",
                                               "--microbatches", "2")),

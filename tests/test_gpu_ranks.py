@@ -104,9 +104,14 @@ def test_each_rank_takes_its_rows_branch_and_waits_for_its_peer():
     assert st.step_s == pytest.approx(2 * dot + 2 * send, rel=1e-6)
     assert st.exposed_s["pp"] == pytest.approx(dot + 2 * send, rel=1e-6)
     assert st.step_s == pytest.approx(st.compute_s + st.exposed_s["total"], rel=1e-12)
+    # of the exposed pp, the wait for the other rank is the dot; the rest is the two sends
+    assert st.rank_wait_s == pytest.approx(dot, rel=1e-6)
+    for r in st.ranks:
+        assert r.rank_wait_s == pytest.approx(dot, rel=1e-6)
     # both ranks working in the same tick: no wait, one dot and two sends
     both = simulate(_module("{ {1, 0}, {1, 0} }"), MESH, HW)
     assert both.step_s == pytest.approx(dot + 2 * send, rel=1e-6)
+    assert both.rank_wait_s < 1e-3 * dot
 
 
 def test_ranks_that_do_not_meet_fall_back_to_one_walk():
@@ -156,7 +161,8 @@ def test_rendezvous_waits_for_peers_only_and_refuses_mismatches():
 
 
 def test_compile_output_lists_each_ranks_work_and_waits():
-    """``jaxpar compile``'s human table shows each walked rank's compute and exposed time."""
+    """``jaxpar compile``'s human table shows each walked rank's compute and exposed time, and
+    of that the wait for the other ranks."""
     from jaxpar.gpu.report import estimate_lines
 
     st = simulate(_module("{ {1, 0}, {0, 1} }"), MESH, HW)
@@ -164,5 +170,8 @@ def test_compile_output_lists_each_ranks_work_and_waits():
     lines = estimate_lines(est)
     at = next(i for i, x in enumerate(lines) if x.startswith("pipeline ranks"))
     for k, r in enumerate(st.ranks):
-        want = f"{r.compute_s * 1e3:.3f} + {r.exposed_s['total'] * 1e3:.3f}"
+        want = (f"{r.compute_s * 1e3:.3f} + {r.exposed_s['total'] * 1e3:.3f} "
+                f"({r.rank_wait_s * 1e3:.3f})")  # fmt: skip
         assert lines[at + 1 + k].split(":")[1].strip() == want
+    assert any(x.strip().startswith("of the exposed, waiting for other pipeline ranks")
+               for x in lines)  # fmt: skip

@@ -13,7 +13,9 @@ compute the scheduler placed between start and done), ``estimate`` (the simulate
 
 ``estimate``: :mod:`jaxpar.gpu.timing`'s simulation of the scheduled program on the mesh file's
 hardware: ``step_s``, ``compute_s``, ``exposed_s`` (seconds the compute stream waits on
-collectives, per mesh-axis set, and ``total``), ``comm_s`` (all collective time, hidden or not),
+collectives, per mesh-axis set, and ``total``), ``rank_wait_s`` (of those, the seconds a pipeline
+rank waited for the other ranks to reach a collective over ``pp``: the bubble and the stages'
+imbalance, not transfer time), ``comm_s`` (all collective time, hidden or not),
 ``tflops_per_device`` and ``mfu`` (model FLOPs, PaLM's convention: recomputation not counted),
 ``hardware_flops`` (what the program's matmuls and attention kernels do, per device),
 ``planner_step_s`` (``jaxpar plan``'s step time for the same layout), ``step_ratio`` =
@@ -204,6 +206,11 @@ def estimate_lines(est: dict[str, Any]) -> list[str]:
         share = ex[key] / est["step_s"] if est["step_s"] else 0.0
         lines.append(f"  {key:<10} {comm.get(key, 0.0) * 1e3:>10.3f} {ex[key] * 1e3:>11.3f} "
                      f"{share:>8.0%}")  # fmt: skip
+    wait = est.get("rank_wait_s") or 0.0
+    if wait > 0:  # the pipeline's bubble and imbalance, inside the pp rows above
+        rest = (ex["total"] - wait) * 1e3
+        lines.append(f"  of the exposed, waiting for other pipeline ranks (bubble, imbalance) "
+                     f"{wait * 1e3:.3f} ms; transfers {rest:.3f} ms")  # fmt: skip
     cp = est.get("critical_path")
     if cp:  # what set the step's end (jaxpar.gpu.timing): its compute, its collectives per axis
         on = cp["comm_s"]
@@ -216,10 +223,11 @@ def estimate_lines(est: dict[str, Any]) -> list[str]:
             lines.append("  most of it: " + "; ".join(top))
     ranks = est.get("ranks") or []
     if ranks:  # a pipeline's ranks, each walked (jaxpar.gpu.ranks): its work and its waits
-        lines.append("pipeline ranks (device: compute ms + exposed ms, the waits for the other "
-                     "ranks included):")  # fmt: skip
+        lines.append("pipeline ranks (device: compute ms + exposed ms, of which waiting for the "
+                     "other ranks):")  # fmt: skip
         lines += [f"  {r['partition']:>5}: {r['compute_s'] * 1e3:.3f} + "
-                  f"{r['exposed_s']['total'] * 1e3:.3f}" for r in ranks]  # fmt: skip
+                  f"{r['exposed_s']['total'] * 1e3:.3f} ({r.get('rank_wait_s', 0.0) * 1e3:.3f})"
+                  for r in ranks]  # fmt: skip
     if est["tflops_per_device"] is not None:
         lines.append(f"model TFLOP/s per device {est['tflops_per_device']:.1f}, "
                      f"MFU {est['mfu']:.1%} (PaLM model FLOPs: recompute not counted)")  # fmt: skip

@@ -48,7 +48,10 @@ The program is one device's (SPMD). A pipeline's ranks take different branches: 
 each is walked, side by side, each reading its own rows of the table, the walks meeting at the
 collectives over ``pp`` (:mod:`jaxpar.gpu.ranks`: a tick lasts as long as the slowest rank
 it exchanges with, and the others' wait is exposed ``pp`` time). The figures are those of the
-rank that ends the step last; ``ranks`` holds each rank's. Where the ranks' collectives do not
+rank that ends the step last; ``ranks`` holds each rank's. ``rank_wait_s`` is the part of the
+exposed time a rank spent waiting for the other ranks to reach a collective over ``pp`` (the
+schedule's bubble and the stages' imbalance: time no faster network would save), the rest of
+``exposed_s`` being the transfers themselves. Where the ranks' collectives do not
 pair up, one walk with the table's branch counts averaged over ranks (said in
 ``assumptions``).
 
@@ -58,7 +61,7 @@ pair up, one walk with the table's branch counts averaged over ranks (said in
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -118,6 +121,7 @@ class RankTime:
     end_s: float
     compute_s: float
     exposed_s: dict[str, float]
+    rank_wait_s: float = 0.0  # of exposed_s: waiting for the other ranks (module docstring)
 
 
 @dataclass
@@ -137,6 +141,7 @@ class StepTime:
     assumptions: list[str] = field(default_factory=list)
     critical_path: CriticalPath | None = None
     ranks: list[RankTime] = field(default_factory=list)  # a pipeline's, each walked (above)
+    rank_wait_s: float = 0.0  # of exposed_s: waiting for other pipeline ranks (docstring)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON ``estimate`` keys (events left out)."""
@@ -144,6 +149,7 @@ class StepTime:
             "step_s": self.step_s,
             "compute_s": self.compute_s,
             "exposed_s": dict(self.exposed_s),
+            "rank_wait_s": self.rank_wait_s,
             "comm_s": dict(self.comm_s),
             "hardware_flops": self.hardware_flops,
             "model_flops": self.model_flops,
@@ -161,6 +167,7 @@ class _Handle:
     axes: tuple[str, ...]
     name: str
     path: Link = None  # the critical path to the collective's end
+    met: float = 0.0  # how much later it began for waiting on its pipeline peers
 
 
 def _key(axes: tuple[str, ...]) -> str:
@@ -196,6 +203,7 @@ class _Sim:
         self.colls: dict[tuple[str, str], Any] = colls
         self._pp_reach: dict[str, bool] = {}
         self.next_handle = 0
+        self.rank_wait = 0.0  # exposed seconds spent waiting for other pipeline ranks
         self.unmatched: set[str] = set()
         self.path: Link = None  # the critical path to the compute stream's clock
         self.free_path: dict[str, Link] = dict.fromkeys(STREAMS)  # ... to each stream's free
@@ -210,17 +218,17 @@ class _Sim:
             self.dropped += 1
 
     def snapshot(self):
-        handles = {k: _Handle(h.end, h.axes, h.name, h.path) for k, h in self.handles.items()}
+        handles = {k: replace(h) for k, h in self.handles.items()}
         return (self.t, dict(self.free), handles, dict(self.exposed), dict(self.comm),
                 self.compute_s, self.flops, len(self.events), self.dropped,
                 {k: list(v) for k, v in self.taken.items()}, self.path,
-                dict(self.free_path), len(self.read))  # fmt: skip
+                dict(self.free_path), len(self.read), self.rank_wait)  # fmt: skip
 
     def restore(self, s) -> None:
         (self.t, self.free, self.handles, self.exposed, self.comm, self.compute_s, self.flops,
-         n, self.dropped, self.taken, self.path, self.free_path, r) = s  # fmt: skip
+         n, self.dropped, self.taken, self.path, self.free_path, r, self.rank_wait) = s  # fmt: skip
         del self.read[r:]
-        self.handles = {k: _Handle(h.end, h.axes, h.name, h.path) for k, h in self.handles.items()}
+        self.handles = {k: replace(h) for k, h in self.handles.items()}
         self.free_path = dict(self.free_path)
         del self.events[n:]
 
@@ -333,6 +341,7 @@ class _Sim:
                 self.path = hd.path  # the wait ends when the collective does
                 wait = hd.end - self.t
                 self.exposed[_key(hd.axes)] = self.exposed.get(_key(hd.axes), 0.0) + wait
+                self.rank_wait += min(wait, hd.met)
                 self.emit(Event("wait " + hd.name, COMPUTE, self.t, wait, "wait", hd.axes,
                                 loop="/".join(self.loops)))  # fmt: skip
                 self.t = hd.end
@@ -351,6 +360,7 @@ class _Sim:
         begin = self.t if sync else max(self.t, self.free[stream])
         # it waited for the compute stream to reach its start, or for its stream to be free
         after = self.path if sync or self.t >= self.free[stream] else self.free_path[stream]
+        ready = begin  # when this rank could begin it
         if self.meet is not None and not self.trying and "pp" in tr.axes:
             # the group spans pipeline ranks: it begins when the last of them reaches it
             self.met += 1
@@ -363,6 +373,9 @@ class _Sim:
                 self._peers(ins) if kind in P2P_KINDS else None,
             )
         end = begin + tr.seconds
+        met = begin - ready  # waiting for the other ranks (zero without them)
+        if sync:
+            self.rank_wait += met
         if sync and begin > self.t:  # the compute stream waits for the other ranks
             self.emit(Event("wait for pp ranks: " + ins.name, COMPUTE, self.t, begin - self.t,
                             "wait", tr.axes, loop="/".join(self.loops)))  # fmt: skip
@@ -381,7 +394,7 @@ class _Sim:
             self.free_path[stream] = link
             self.next_handle += 1
             h = self.next_handle
-            self.handles[h] = _Handle(end, tr.axes, ins.name, link)
+            self.handles[h] = _Handle(end, tr.axes, ins.name, link, met)
             env[ins.name] = h
         return True
 
@@ -476,6 +489,7 @@ class _Sim:
             self.loops.append(f"{ins.name}[{i}]")
             t0, ex0, cm0, c0, f0, e0 = (self.t, dict(self.exposed), dict(self.comm),
                                         self.compute_s, self.flops, len(self.events))  # fmt: skip
+            w0 = self.rank_wait
             links0 = self._links(state)
             r0 = len(self.read)
             state = self.run(body, [state])
@@ -484,6 +498,7 @@ class _Sim:
             cur = (self._signature(state), self.t - t0, tuple(self.read[r0:]))
             if steady and prev is not None and i < n and _same(prev, cur):
                 self._repeat(n - i, t0, ex0, cm0, c0, f0, e0, state, (ins.name, i - 1))
+                self.rank_wait += (n - i) * (self.rank_wait - w0)
                 self._repeat_paths(n - i, links0, state)
                 # the counters and bounds the iterations not walked leave in the state
                 state = _merge(state, self.values.advance(ins, state, n - i))
@@ -638,7 +653,8 @@ def simulate(
                    events_dropped=sim.dropped, assumptions=notes,
                    critical_path=sim.critical_path(end, list(sim.exposed)),
                    ranks=[_rank_figures(x, parts[i] if len(sims) > 1 else 0)
-                          for i, (x, _) in enumerate(sims)] if len(sims) > 1 else [])  # fmt: skip
+                          for i, (x, _) in enumerate(sims)] if len(sims) > 1 else [],
+                   rank_wait_s=sim.rank_wait)  # fmt: skip
     if model_flops is not None and sim.t > 0:
         out.model_flops = model_flops
         out.tflops_per_device = model_flops / sim.t / 1e12
@@ -663,4 +679,4 @@ def _walk(sim: _Sim) -> tuple[_Sim, Link]:
 def _rank_figures(sim: _Sim, partition: int) -> RankTime:
     exposed = dict(sorted(sim.exposed.items()))
     exposed["total"] = sum(sim.exposed.values())
-    return RankTime(partition, sim.t, sim.compute_s, exposed)
+    return RankTime(partition, sim.t, sim.compute_s, exposed, sim.rank_wait)
