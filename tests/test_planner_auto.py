@@ -318,8 +318,11 @@ def test_planner_prices_what_the_compiled_gpu_program_overlaps():
     sp = C.LayoutConfig(dp=1, tp=8, sequence_parallel=True, compute_dtype="bfloat16")
     (tp,) = [c for c in evaluate(model, gpu, sp, shape).cost.comm if c.name == "tp_comm"]
     assert tp.hidden_s == pytest.approx(F.RING_HIDDEN * tp.seconds)  # the rings hide a share
-    piped = dataclasses.replace(sp, tp=4, pp=2, microbatches=8)  # no ring hides it in a pipeline
+    piped = dataclasses.replace(sp, tp=4, pp=2, microbatches=8)  # the rings in a pipeline tick
     (tp,) = [c for c in evaluate(model, gpu, piped, shape).cost.comm if c.name == "tp_comm"]
+    assert tp.hidden_s == pytest.approx(F.RING_HIDDEN * tp.seconds) and tp.seconds > 0
+    plain = dataclasses.replace(piped, sequence_parallel=False)  # all-reduces: no ring
+    (tp,) = [c for c in evaluate(model, gpu, plain, shape).cost.comm if c.name == "tp_comm"]
     assert tp.hidden_s == 0 and tp.seconds > 0
     wide = C.LayoutConfig(dp=4, tp=16, sequence_parallel=True, zero=3, compute_dtype="bfloat16")
     a100 = C.load_mesh("a100-64").hardware  # tp 16 spans two nodes: the rings hide nothing

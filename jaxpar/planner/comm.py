@@ -14,7 +14,7 @@ compute's length; the rest is exposed and adds to the step.
   XLA:GPU keeps its reduce-scatter). The embedding lookup's one all-reduce per micro-batch is
   not counted. Hidden only by an executor that overlaps them with the matmuls
   (``Executor.overlap_tp``, collective matmuls). jaxpar's step does so under SP since its
-  collective matmul (:mod:`jaxpar.model.collective_matmul`), outside a pipeline: the share
+  collective matmul (:mod:`jaxpar.model.collective_matmul`), inside one node: the share
   of the calls its rings hide in the compiled XLA:GPU program is ``Executor.ring_hidden``
   (:data:`jaxpar.planner.frameworks.RING_HIDDEN`). Without SP nothing hides the all-reduces.
   As compiled by XLA:GPU (llama3-8b, tp 8, per layer): with SP 6 all-gathers and 4

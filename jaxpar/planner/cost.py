@@ -142,11 +142,10 @@ def layer_time(
         # no dot of its own) runs again in the backward
         recompute = attn
     tp, sp = CM.tp_calls(model, hw, lay, shape), CM.sp_calls(model, hw, lay, shape)
-    # the collective matmul's rings hide a share of the tp calls only outside a pipeline and
-    # inside one node (frameworks.RING_HIDDEN: across nodes a ring step's send outlasts its
-    # chunk matmul)
+    # the collective matmul's rings hide a share of the tp calls inside one node
+    # (frameworks.RING_HIDDEN: across nodes a ring step's send outlasts its chunk matmul)
     ring = 0.0
-    if lay.sequence_parallel and lay.tp > 1 and lay.pp == 1 and not crosses_nodes(hw, 1, lay.tp):
+    if lay.sequence_parallel and lay.tp > 1 and not crosses_nodes(hw, 1, lay.tp):
         ring = ex.ring_hidden
     return LayerTime(compute=compute, matmul=sum(secs) + attn, attention=attn, tp=tp, sp=sp,
                      efficiency=eff, recompute=recompute, overlap_tp=ex.overlap_tp,

@@ -175,9 +175,11 @@ PIPELINED_COLLECTIVES = (
 # dp 32 x tp 2 + SP, 2 micro-batches, a100-64; checked on llama3-8b dp 8 ZeRO-3, h100-8.
 ZERO3_WINDOW = 0.2
 # RING_HIDDEN: Executor.ring_hidden. Calibrated on llama3-8b tp 8 + SP, h100-8; checked on the
-# 70B pick's tp 2 rings. Inside a pipeline tick the program hides none of it (llama2-70b dp 4 x
-# tp 8 + SP x pp 2, 1F1B), nor across nodes (dp 4 x tp 16 + SP on a100-64: a ring step's send
-# outlasts its chunk matmul), so it is applied to neither.
+# 70B pick's tp 2 rings and inside pipeline ticks, where the programs hide more of it (a tick's
+# forward and backward are independent work for each other's rings: llama2-70b tp 8 + SP at
+# pp 2 and pp 4, llama3-8b tp 4 + SP at pp 2, llama2-70b ZeRO-3 tp 4 + SP at pp 8). Across
+# nodes the rings hide nothing (dp 4 x tp 16 + SP on a100-64: a ring step's send outlasts its
+# chunk matmul), so it is not applied there.
 RING_HIDDEN = 0.68
 
 
