@@ -83,8 +83,8 @@ ROWS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }  # fmt: skip
 
 
-ESTIMATE = ("step_s", "planner_step_s", "step_ratio", "compute_s", "exposed_s", "comm_s",
-            "tflops_per_device", "mfu", "assumptions")  # fmt: skip
+ESTIMATE = ("step_s", "planner_step_s", "step_ratio", "compute_s", "exposed_s", "rank_wait_s",
+            "comm_s", "tflops_per_device", "mfu", "assumptions")  # fmt: skip
 
 
 def row(name: str, timeout: int) -> dict:
