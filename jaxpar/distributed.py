@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from jaxpar.errors import ConfigError, JaxparError
 
@@ -270,7 +271,36 @@ def watch_peers(pc: ProcessConfig, env: Mapping[str, str] | None = None) -> Peer
     _WATCH = PeerWatch(client, pc.process_id, pc.num_processes, timeout)
     _WATCH.start()
     atexit.register(_WATCH.finish)
+    _quiet_peer_errors_in_threads()
     return _WATCH
+
+
+def _quiet_peer_errors_in_threads() -> None:
+    """A background thread (orbax's asynchronous save) whose collective fails because a peer
+    died ends without its traceback, raised or logged: the watch names the dead peer in one
+    line within its timeout. Any other thread error is reported as before."""
+    import logging
+
+    previous = threading.excepthook
+
+    def hook(args: Any) -> None:
+        if args.exc_value is not None and caused_by_peer(args.exc_value):
+            return
+        previous(args)
+
+    threading.excepthook = hook
+    quiet = _PeerErrorFilter()
+    for name in ("", "absl"):  # the root's handlers (absl's among them) and absl's own
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(quiet)
+
+
+class _PeerErrorFilter:
+    """Drops a log record that carries a dead peer's error (:func:`caused_by_peer`)."""
+
+    def filter(self, record: Any) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and caused_by_peer(exc))
 
 
 def stop_after_failure(prefix: str, error: BaseException) -> None:

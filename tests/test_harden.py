@@ -557,6 +557,47 @@ def test_a_checkpoint_error_from_a_dead_peer_goes_to_the_peer_watch(monkeypatch)
     assert not distributed.caused_by_peer(ConfigError("layout.dp=3: must divide 8"))
 
 
+def test_a_save_thread_failing_on_a_dead_peer_before_the_step_does_prints_nothing():
+    """In a multi-process run, orbax's background save thread can meet the dead peer before
+    the training step does: its error, raised or logged, is left to the peer watch's one line;
+    another thread error still prints its traceback."""
+    code = r"""
+import logging, sys, threading
+from jaxpar import distributed
+
+logging.basicConfig(stream=sys.stderr)
+
+class Watch:
+    _done = threading.Event()
+
+distributed._WATCH = Watch()
+distributed._quiet_peer_errors_in_threads()
+
+def peer():
+    raise RuntimeError("Gloo: Read error [127.0.0.1]:43112: Connection reset by peer")
+
+def logged():
+    try:
+        peer()
+    except RuntimeError:
+        logging.getLogger("orbax").exception("_SignalingThread.run() raised")
+
+def other():
+    raise ValueError("a bug of its own")
+
+for fn in (peer, logged, other):
+    t = threading.Thread(target=fn)
+    t.start(); t.join()
+"""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "Connection reset" not in proc.stderr and "_SignalingThread" not in proc.stderr
+    assert proc.stderr.count("Traceback") == 1 and "ValueError: a bug of its own" in proc.stderr
+
+
 def test_stopping_after_a_dead_peer_prints_one_line_not_the_save_threads_tracebacks():
     """While the peer watch waits, orbax's background save threads fail too and log their
     tracebacks (``logging.exception``) or raise: the stopping process prints its one line only."""
