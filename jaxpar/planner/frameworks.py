@@ -81,7 +81,7 @@ class Executor:
       h100-8 under full recompute compiles to 1.14x / 1.23x the planner without it
       (interleaved / 1F1B), 1.05x / 1.05x with it; :func:`for_target`).
     * ``ring_hidden``: share of Megatron-SP's tp all-gather/reduce-scatter time that the
-      collective matmul's ``ppermute`` rings hide behind their chunk matmuls, outside a pipeline
+      collective matmul's ``ppermute`` rings hide behind their chunk matmuls, inside one node
       (:mod:`jaxpar.model.collective_matmul`; :func:`for_target` sets it from the compiled
       XLA:GPU program). Unlike ``overlap_tp`` it is a share of the calls, not of the matmuls:
       what stays exposed is structural (a backward ring step's two sends share one window and
