@@ -53,8 +53,10 @@ XLA_UPDATE = 0.0  # optimizer temporaries, share of the optimizer shard (calibra
 XLA_HEAD = 2.21  # fp32 logits-sized buffers alive at the loss (calibrated)
 XLA_RECOMPUTE = 0.94  # share of one un-rematerialised layer alive while recomputing (calibrated)
 XLA_BACKWARD = 0.85  # share of one layer's residuals alive as backward transients (calibrated)
-# Megatron-SP's backward: activations gathered over tp for the weight gradients (the input of a
-# column-parallel matmul, the cotangent of a row-parallel one), alive together (calibrated).
+# Megatron-SP's backward: activations gathered over tp for the weight gradients, a count of
+# buffers: the input of a column-parallel matmul and the cotangent of a row-parallel one, alive
+# together in XLA's backward schedule (measured on XLA:CPU's tp 4 + SP step, checked on the
+# XLA:GPU grid's SP rows: BENCHMARKS.md).
 SP_GATHERED = 2.0
 
 
