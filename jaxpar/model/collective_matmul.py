@@ -130,6 +130,11 @@ def _chunk(a: jax.Array, k, t: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(a, k * c, c, axis=1)
 
 
+def _gathered(x: jax.Array, t: int) -> jax.Array:
+    """Zeros the shape of ``x`` ``[B, c, ...]`` gathered over the ring: ``[B, t·c, ...]``."""
+    return jnp.zeros((x.shape[0], t * x.shape[1], *x.shape[2:]), x.dtype)
+
+
 def _place(out: jax.Array, y: jax.Array, k) -> jax.Array:
     """``y`` ``[B, c, ...]`` written into sequence chunk ``k`` of ``out``."""
     return jax.lax.dynamic_update_slice_in_dim(out, y, k * y.shape[1], axis=1)
@@ -153,7 +158,7 @@ def _gather_apply(x: jax.Array, t: int, f, out_shape, dtype, keep: bool = False)
     after the ring); else None in its place."""
     r = jax.lax.axis_index(TP)
     out = jnp.zeros(out_shape, dtype)
-    full = jnp.zeros((x.shape[0], t * x.shape[1], *x.shape[2:]), x.dtype) if keep else None
+    full = _gathered(x, t) if keep else None
     cur = x
     for i in range(t):
         k = (r - i) % t  # cur came from rank k
@@ -197,7 +202,7 @@ def _ag_matmul_bwd(t, res, dy):
     x, w = res
     r = jax.lax.axis_index(TP)
     axes = (tuple(range(2, dy.ndim)), tuple(range(1, w.ndim)))
-    full = jnp.zeros((x.shape[0], t * x.shape[1], *x.shape[2:]), x.dtype)
+    full = _gathered(x, t)
     cur, acc = x, None
     for i in range(t):
         k = (r - i) % t  # cur came from rank k
