@@ -167,7 +167,7 @@ class _Handle:
     axes: tuple[str, ...]
     name: str
     path: Link = None  # the critical path to the collective's end
-    met: float = 0.0  # how much later it began for waiting on its pipeline peers
+    peer_wait: float = 0.0  # how much later it began for waiting on its pipeline peers
 
 
 def _key(axes: tuple[str, ...]) -> str:
@@ -341,7 +341,7 @@ class _Sim:
                 self.path = hd.path  # the wait ends when the collective does
                 wait = hd.end - self.t
                 self.exposed[_key(hd.axes)] = self.exposed.get(_key(hd.axes), 0.0) + wait
-                self.rank_wait += min(wait, hd.met)
+                self.rank_wait += min(wait, hd.peer_wait)
                 self.emit(Event("wait " + hd.name, COMPUTE, self.t, wait, "wait", hd.axes,
                                 loop="/".join(self.loops)))  # fmt: skip
                 self.t = hd.end
@@ -373,9 +373,9 @@ class _Sim:
                 self._peers(ins) if kind in P2P_KINDS else None,
             )
         end = begin + tr.seconds
-        met = begin - ready  # waiting for the other ranks (zero without them)
+        peer_wait = begin - ready  # waiting for the other ranks (zero without them)
         if sync:
-            self.rank_wait += met
+            self.rank_wait += peer_wait
         if sync and begin > self.t:  # the compute stream waits for the other ranks
             self.emit(Event("wait for pp ranks: " + ins.name, COMPUTE, self.t, begin - self.t,
                             "wait", tr.axes, loop="/".join(self.loops)))  # fmt: skip
@@ -394,7 +394,7 @@ class _Sim:
             self.free_path[stream] = link
             self.next_handle += 1
             h = self.next_handle
-            self.handles[h] = _Handle(end, tr.axes, ins.name, link, met)
+            self.handles[h] = _Handle(end, tr.axes, ins.name, link, peer_wait)
             env[ins.name] = h
         return True
 
@@ -489,7 +489,6 @@ class _Sim:
             self.loops.append(f"{ins.name}[{i}]")
             t0, ex0, cm0, c0, f0, e0 = (self.t, dict(self.exposed), dict(self.comm),
                                         self.compute_s, self.flops, len(self.events))  # fmt: skip
-            w0 = self.rank_wait
             links0 = self._links(state)
             r0 = len(self.read)
             state = self.run(body, [state])
@@ -497,8 +496,9 @@ class _Sim:
             i += 1
             cur = (self._signature(state), self.t - t0, tuple(self.read[r0:]))
             if steady and prev is not None and i < n and _same(prev, cur):
+                # (no rank waits to add: a loop that reaches a collective over pp is walked
+                # whole when the ranks meet, see ``steady``)
                 self._repeat(n - i, t0, ex0, cm0, c0, f0, e0, state, (ins.name, i - 1))
-                self.rank_wait += (n - i) * (self.rank_wait - w0)
                 self._repeat_paths(n - i, links0, state)
                 # the counters and bounds the iterations not walked leave in the state
                 state = _merge(state, self.values.advance(ins, state, n - i))
