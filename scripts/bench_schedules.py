@@ -56,7 +56,7 @@ from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.pipeline.generators import KINDS, check_arguments  # noqa: E402
 from jaxpar.pipeline.render import plot_schedules  # noqa: E402
 from jaxpar.pipeline.schedules import Action, lockstep, make_schedule  # noqa: E402
-from jaxpar.pipeline.stage import Stage  # noqa: E402
+from jaxpar.pipeline.stage import Chunk, Stage  # noqa: E402
 from jaxpar.pipeline.tables import fused_fb  # noqa: E402
 from jaxpar.pipeline.timing import stats  # noqa: E402
 from jaxpar.train.pipeline_run import PipelineRun  # noqa: E402
@@ -129,7 +129,7 @@ def branch_flops(kind: str, v: int) -> dict[str, float]:
     tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[:P]))
     run = PipelineRun(tr.grad_ctx)
     lc = cfg.model.n_layers // (P * v)
-    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype),
+    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, 1, *a.shape[1:]), a.dtype),
                          tr.abstract_params["layers"])  # fmt: skip
     head = tr.model.head_params(tr.model.abstract())  # canonical: no stage slot
     b = BATCH // M
@@ -145,17 +145,25 @@ def branch_flops(kind: str, v: int) -> dict[str, float]:
             held.setdefault("s", st)
             return st
 
-        jax.eval_shape(lambda c, h: stage(c, h).apply(c, h), chunk, x)
+        def grads(c):  # each layer's gradient kept (summed), so no weight matmul is dropped
+            zero = [jnp.zeros(a.shape[2:], a.dtype) for a in jax.tree.leaves(c)]
+
+            def sink(acc, i, d, computed):
+                return [a + x for a, x in zip(acc, jax.tree.leaves(d), strict=True)], []
+
+            return zero, sink
+
+        jax.eval_shape(lambda c, h: stage(c, h).apply(Chunk(c, 0), h), local, x)
         s0 = held["s"]
         stash, taps, wpend = s0.stash_shapes, s0.taps_shapes, s0.wpend_shapes
-        out["F"] = _flops(lambda c, h: stage(c, h).forward(c, h), chunk, x)
-        out["B"] = _flops(lambda c, st, tp, g: stage(c, g).backward(c, list(st), list(tp), g),
-                          chunk, stash, taps, x)  # fmt: skip
+        out["F"] = _flops(lambda c, h: stage(c, h).forward(Chunk(c, 0), h), local, x)
+        out["B"] = _flops(lambda c, st, tp, g: stage(c, g).backward(
+            Chunk(c, 0), list(st), list(tp), g, *grads(c)), local, stash, taps, x)  # fmt: skip
         if s0.split:
-            out["I"] = _flops(lambda c, st, g: stage(c, g).input_grads(c, list(st), g),
-                              chunk, stash, x)  # fmt: skip
-            out["W"] = _flops(lambda c, tp, wp: stage(c, x_zero(x)).weight_grads(c, list(tp),
-                              list(wp)), chunk, taps, wpend)  # fmt: skip
+            out["I"] = _flops(lambda c, st, g: stage(c, g).input_grads(
+                Chunk(c, 0), list(st), g, *grads(c)), local, stash, x)  # fmt: skip
+            out["W"] = _flops(lambda c, tp, wp: stage(c, x_zero(x)).weight_grads(
+                Chunk(c, 0), list(tp), list(wp), *grads(c)), local, taps, wpend)  # fmt: skip
 
         def head_grads(hp, y, t):
             return jax.value_and_grad(lambda q, z: pm.head_loss(q, z, t), argnums=(0, 1))(hp, y)
@@ -163,10 +171,10 @@ def branch_flops(kind: str, v: int) -> dict[str, float]:
         out["head"] = _flops(head_grads, head, x, tg)
 
         def fb(c, hp, h, t):
-            f = lambda c, q, z: pm.head_loss(q, stage(c, z).apply(c, z)[0], t)  # noqa: E731
+            f = lambda c, q, z: pm.head_loss(q, stage(c, z).apply(Chunk(c, 0), z)[0], t)  # noqa: E731
             return jax.value_and_grad(f, argnums=(0, 1, 2))(c, hp, h)
 
-        out["FB"] = _flops(fb, chunk, head, x, tg)
+        out["FB"] = _flops(fb, local, head, x, tg)
     scaled = {k: c * lc for k, c in out.items() if k not in ("head", "FB")}
     return dict(scaled, head=out["head"], FB=(out["FB"] - out["head"]) * lc + out["head"])
 

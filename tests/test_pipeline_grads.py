@@ -169,3 +169,17 @@ def test_stash_passes_without_a_copy(program):
     copies = [(c, i.name, i.shape[:60]) for c in reachable(comps, body) for i in comps[c]
               if i.opcode in ("copy", "copy-start") and any_dims(i.shape) & bufs]  # fmt: skip
     assert not copies, (name, copies)
+
+
+def test_no_chunk_is_made_whole(program):
+    """The layer scans read each layer's weights from the rank's ``[v, Lc, ...]`` stack and add
+    each layer's weight gradient to its accumulator in place (:class:`jaxpar.pipeline.stage.
+    Chunk`, :meth:`jaxpar.pipeline.backward.BackwardActions.sink`): no instruction of the tick
+    makes an fp32 array of a whole chunk's weight leaf ``[Lc, ...]`` (before: a chunk's weights
+    sliced out for every F and B, and its gradient stacked before it was added)."""
+    name, comps, body, acc, _ = program
+    chunk = {s[1:] for s in acc if len(s) >= 4}  # weight leaves [v, Lc, d1, d2, ...]
+    assert chunk, name
+    made = [(c, i.opcode, i.name, i.shape[:60]) for c in reachable(comps, body) for i in comps[c]
+            if i.opcode not in PLUMBING | {"while"} and f32_dims(i.shape) & chunk]  # fmt: skip
+    assert not made, (name, made)

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from jaxpar.pipeline import carry as ops
 from jaxpar.pipeline.branches import FB_BRANCH, when
-from jaxpar.pipeline.carry import BackwardIn, BackwardOut, Grads, TickIn
+from jaxpar.pipeline.carry import BackwardIn, BackwardOut, Grads, Leaves, TickIn
+from jaxpar.pipeline.stage import Chunk, GradSink
 from jaxpar.pipeline.tables import B_FULL, B_IDLE, B_INPUT, B_WEIGHT, F_FB, TickTable
 
 
@@ -30,58 +31,101 @@ class BackwardActions:
     """The backward phase of :class:`jaxpar.pipeline.executor._Program` (a mixin: it reads the
     program's stage, parameters, tables, branch weights and shapes)."""
 
-    def reduce(self, d: Any, keep: tuple[bool, ...] | None = None) -> list[jax.Array]:
-        """The leaves of chunk gradient ``d``, each with its per-micro-batch reduction; leaves
-        outside ``keep`` are known zeros (a split backward's weight-dot leaves in ``I``): not
-        reduced, and zeros here (only their shapes are read)."""
-        return [
-            r(x) if keep is None or keep[k] else jnp.zeros(s.shape, s.dtype)
-            for k, (x, r, s) in enumerate(zip(jax.tree.leaves(d), self.model.reduce,
-                                              self.acc_shapes, strict=True))
-        ]  # fmt: skip
+    def sink(self, chunk: jax.Array, in_scan: tuple[bool, ...]) -> GradSink:
+        """How a backward piece of local chunk ``chunk`` files each layer's gradient (a
+        :data:`~jaxpar.pipeline.stage.GradSink`): each leaf reduced per micro-batch (ZeRO-2's
+        reduce-scatter; the identity otherwise); the leaves in ``in_scan`` added in place to
+        their accumulators, which the layer scan carries (one layer's slot read and written),
+        the leaves ``I`` computes (:attr:`in_i`) returned for the caller to add; other leaves'
+        gradients (known zeros) dropped."""
+        v, reduce = self.tables.schedule.v, self.model.reduce
+
+        def sink(acc, i, d, computed):
+            it, acc_out, rest = iter(acc), [], []
+            for k, x in enumerate(jax.tree.leaves(d)):
+                if in_scan[k]:
+                    a = next(it)
+                    acc_out.append(ops.add_layer(a, chunk, i, reduce[k](x), v) if computed[k]
+                                   else a)  # fmt: skip
+                elif self.in_i[k]:
+                    s = self.acc_shapes[k]
+                    rest.append(reduce[k](x) if computed[k] else jnp.zeros(s.shape, s.dtype))
+            return acc_out, rest
+
+        return sink
 
     def b_idle(self, xs: TickIn, ins: BackwardIn, acc: Grads) -> tuple[BackwardOut, Grads]:
         return ops.fresh(self.b_shapes), acc
 
-    def b_fb(self, xs: TickIn, ins: BackwardIn, acc_head: Any):
-        """FB: outputs and chunk gradient; the head's gradient added to ``acc_head``."""
-        # The last stage's forward and full backward of one micro-batch in one tick (the
-        # table's f_* fields name it): one VJP, nothing stashed; under recompute the forward
-        # keeps the layer inputs and each layer's backward re-runs it (one layer's residuals
-        # at a time, as in B).
-        row, loss_of = xs.row, self._loss_of(xs.row.f_mb)
-        if self.stage.p.recompute:
-            ch = self.chunk(row.f_chunk)
-            y, stash, _, stats = self.stage.forward(ch, ins.x)
-            loss, (d_head, dy) = jax.value_and_grad(loss_of, argnums=(0, 1))(self.params.head, y)
-            d_chunk, dx = self.stage.backward(ch, stash, [], dy.astype(y.dtype))
-        else:
+    # ---- the full backward: what differs per kind, then one layer scan that adds ----------
+    #
+    # B, W and FB each end in the same piece: a non-split stage's backward, or a split one's
+    # weight half (W). That piece, the one that adds the weight-dot leaves to their
+    # accumulators in its layer scan, runs once after the conditional over the kinds, which
+    # only prepares its operands: the accumulators pass that conditional untouched, so no
+    # branch but one writes them and XLA copies none (branches.when). Each preparation returns
+    # ``(out, small, head, operands)``: the outputs so far, the I leaves' gradients (a split
+    # stage's, stacked ``[Lc, ...]``), the head's accumulator, and the operands of the common
+    # piece: ``[g, *stash]`` (non-split) or ``[*taps, *wpend]`` (split).
 
-            def fb_loss(ch, hp, x):
-                y, stats = self.stage.apply(ch, x)
-                return loss_of(hp, y), stats
+    def _input_half(self, ch: Chunk, chunk: jax.Array, stash: Leaves, g: jax.Array):
+        """A split stage's I: ``(small, dx, wpend)``."""
+        none = (False,) * len(self.in_i)
+        _, small, dx, wpend = self.stage.input_grads(ch, stash, g, [], self.sink(chunk, none))
+        return small, dx, wpend
 
-            (loss, stats), (d_chunk, d_head, dx) = jax.value_and_grad(
-                fb_loss, argnums=(0, 1, 2), has_aux=True
-            )(self.chunk(row.f_chunk), self.params.head, ins.x)
-        out = ops.fresh(self.b_shapes, loss=loss, dx=dx, stats=self._keep(stats))
-        return out, self.reduce(d_chunk), ops.add(acc_head, d_head)
+    def _no_small(self) -> Leaves:
+        n = self.stage.n_layers
+        return [jnp.zeros((n, *s.shape), s.dtype)
+                for s, i in zip(self.acc_shapes, self.in_i, strict=True) if i]  # fmt: skip
 
-    def b_bwd(self, xs: TickIn, ins: BackwardIn):
+    def pre_b(self, xs: TickIn, ins: BackwardIn, head: Any):
+        """B: the stash slot and the received cotangent (split: after I, the taps slot and
+        what I files)."""
         row, ins = xs.row, ops.read_slots(ins, xs.row)
-        d, dx = self.stage.backward(self.chunk(row.b_chunk), ins.stash, ins.taps, ins.g)
-        return ops.fresh(self.b_shapes, dx=dx), self.reduce(d)
+        if self.stage.split is None:
+            return ops.fresh(self.b_shapes), [], head, [ins.g, *ins.stash]
+        small, dx, wpend = self._input_half(self.chunk(row.b_chunk), row.b_chunk, ins.stash,
+                                            ins.g)  # fmt: skip
+        return ops.fresh(self.b_shapes, dx=dx), small, head, [*ins.taps, *wpend]
+
+    def pre_w(self, xs: TickIn, ins: BackwardIn, head: Any):
+        """W: the taps slot and what an earlier I filed."""
+        ins = ops.read_slots(ins, xs.row)
+        return ops.fresh(self.b_shapes), self._no_small(), head, [*ins.taps, *ins.wpend]
+
+    def pre_fb(self, xs: TickIn, ins: BackwardIn, acc_head: Any):
+        """FB: the last stage's forward of one micro-batch (the table's f_* fields name it),
+        keeping what its backward needs in the tick itself, not in a stash slot; the head's
+        loss, its gradient added to ``acc_head``, and its output cotangent (split: then I)."""
+        row, loss_of = xs.row, self._loss_of(xs.row.f_mb)
+        ch = self.chunk(row.f_chunk)
+        y, stash, taps, stats = self.stage.forward(ch, ins.x)
+        loss, (d_head, dy) = jax.value_and_grad(loss_of, argnums=(0, 1))(self.params.head, y)
+        dy, head = dy.astype(y.dtype), ops.add(acc_head, d_head)
+        out = ops.fresh(self.b_shapes, loss=loss, stats=self._keep(stats))
+        if self.stage.split is None:
+            return out, [], head, [dy, *stash]
+        small, dx, wpend = self._input_half(ch, row.f_chunk, stash, dy)
+        return dataclasses.replace(out, dx=dx), small, head, [*taps, *wpend]
+
+    def common(self, ch: Chunk, chunk: jax.Array, operands: Leaves, big: Leaves):
+        """The piece every full backward ends in, adding to the weight-dot leaves ``big`` in
+        its layer scan: ``(big, small, dx)`` (``dx`` None for a split stage: I made it)."""
+        sink = self.sink(chunk, self.in_big)
+        if self.stage.split is None:
+            big, small, dx = self.stage.backward(ch, operands[1:], [], operands[0], big, sink)
+            return big, small, dx
+        n = len(self.stage.taps_shapes)
+        big, small = self.stage.weight_grads(ch, operands[:n], operands[n:], big, sink)
+        return big, small, None
 
     def b_inp(self, xs: TickIn, ins: BackwardIn):
         """I: outputs and the gradient of the leaves it computes (``self.in_i``) only."""
         row, ins = xs.row, ops.read_slots(ins, xs.row)
-        d_small, dx, wpend = self.stage.input_grads(self.chunk(row.b_chunk), ins.stash, ins.g)
-        return ops.fresh(self.b_shapes, dx=dx, wpend=wpend), self.reduce(d_small, self.in_i)
-
-    def b_wgt(self, xs: TickIn, ins: BackwardIn):
-        row, ins = xs.row, ops.read_slots(ins, xs.row)
-        d = self.stage.weight_grads(self.chunk(row.b_chunk), ins.taps, ins.wpend)
-        return ops.fresh(self.b_shapes), self.reduce(d)
+        small, dx, wpend = self._input_half(self.chunk(row.b_chunk), row.b_chunk, ins.stash,
+                                            ins.g)  # fmt: skip
+        return ops.fresh(self.b_shapes, dx=dx, wpend=wpend), small
 
     def backward_switch(self, kind: jax.Array, chunk: jax.Array, xs: TickIn, ins: BackwardIn,
                         acc: Grads) -> tuple[BackwardOut, Grads]:  # fmt: skip
@@ -90,37 +134,36 @@ class BackwardActions:
 
         A tree of two-branch conditionals (:func:`~jaxpar.pipeline.branches.when`: an
         accumulator passes through the first branch and is written in the second): idle or
-        busy; busy: I or a full gradient (B, W, FB); full: B/W or FB (the head's gradient);
-        B or W. The chunk leaves only ``I`` computes (a split backward's non-dot leaves) are
-        added once after the I-or-full choice, from the gradient either side returns; all the
-        others in the full branch. So an idle tick touches no accumulator and an ``I`` none
-        of the weight-dot leaves."""
+        busy; busy: I or a full gradient (B, W, FB). A full gradient prepares its operands in
+        a conditional over its kinds (the head's accumulator written in FB's branch, the last)
+        and then runs the one piece that adds the weight-dot leaves, in its layer scan
+        (comment above :meth:`pre_b`). The chunk leaves only ``I`` computes (a split
+        backward's non-dot leaves) are added once after the I-or-full choice, from the
+        gradient either side returns. So an idle tick touches no accumulator and an ``I``
+        none of the weight-dot leaves."""
         ran, w, v = self.ran, self.w, self.tables.schedule.v
         leaves, in_i = jax.tree.leaves(acc.chunks), self.in_i
         pick = lambda d, side: [x for x, i in zip(d, in_i, strict=True) if i == side]  # noqa: E731
-        bw_kinds = [k for k in (B_FULL, B_WEIGHT) if k in ran]
-        full_kinds = bw_kinds + ([FB_BRANCH] if FB_BRANCH in ran else [])
+        pres = {B_WEIGHT: self.pre_w, B_FULL: self.pre_b, FB_BRANCH: self.pre_fb}
+        full_kinds = [k for k in pres if k in ran]  # FB last: its branch writes acc_head
 
-        def b_or_w(xs, ins, head):
-            if len(bw_kinds) == 2:
-                out, d = when(kind == B_WEIGHT, self.b_bwd, self.b_wgt,
-                              w.split([B_FULL], [B_WEIGHT]), xs, ins)  # fmt: skip
-            else:
-                out, d = (self.b_bwd if bw_kinds == [B_FULL] else self.b_wgt)(xs, ins)
-            return out, d, head
+        def prepare(kinds, xs, ins, head):
+            if len(kinds) == 1:
+                return pres[kinds[0]](xs, ins, head)
+            *rest, last = kinds
+            return when(kind == last, lambda *a: prepare(rest, *a), pres[last],
+                        w.split(rest, [last]), xs, ins, head)  # fmt: skip
 
         def full(xs, ins, big, head):
-            if FB_BRANCH in ran and bw_kinds:
-                out, d, head = when(kind == FB_BRANCH, b_or_w, self.b_fb,
-                                    w.split(bw_kinds, [FB_BRANCH]), xs, ins, head)  # fmt: skip
-            else:
-                out, d, head = (self.b_fb if FB_BRANCH in ran else b_or_w)(xs, ins, head)
-            big = [ops.add_slot(a, chunk, x, v) for a, x in zip(big, pick(d, False), strict=True)]
-            return out, pick(d, True), big, head
+            out, small, head, operands = prepare(full_kinds, xs, ins, head)
+            big, more, dx = self.common(self.chunk(chunk), chunk, operands, big)
+            small = [a + b for a, b in zip(small, more, strict=True)] if more else small
+            out = out if dx is None else dataclasses.replace(out, dx=dx)
+            return out, small, big, head
 
         def inp(xs, ins, big, head):
-            out, d = self.b_inp(xs, ins)
-            return out, pick(d, True), big, head
+            out, small = self.b_inp(xs, ins)
+            return out, small, big, head
 
         def busy(xs, ins, acc):
             big = pick(leaves, False)

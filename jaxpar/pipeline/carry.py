@@ -241,6 +241,14 @@ def add_slot(a: jax.Array, chunk: jax.Array, x: jax.Array, v: int) -> jax.Array:
     return a.at[jnp.maximum(chunk, 0)].add(x.astype(a.dtype))
 
 
+def add_layer(a: jax.Array, chunk: jax.Array, i: jax.Array, x: jax.Array, v: int) -> jax.Array:
+    """``a[chunk, i] += x`` for one ``[v, Lc, ...]`` accumulator leaf and one layer's gradient
+    ``x`` (in place: one layer's slot read and written)."""
+    at = (0 if v == 1 else jnp.maximum(chunk, 0), i) + (0,) * (a.ndim - 2)
+    cur = jax.lax.dynamic_slice(a, at, (1, 1, *a.shape[2:]))
+    return jax.lax.dynamic_update_slice(a, cur + x.astype(a.dtype)[None, None], at)
+
+
 def accumulate(acc: Any, chunk: jax.Array, d: Any, v: int) -> Any:
     """Add ``d`` (a tree like one local chunk's) to local chunk ``chunk``'s."""
     return jax.tree.map(lambda a, x: add_slot(a, chunk, x, v), acc, d)

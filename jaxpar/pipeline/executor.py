@@ -48,8 +48,10 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
   (:mod:`jaxpar.pipeline.backward`). Adding every tick's gradient, zeros included, on every
   rank was the largest memory-bound cost of a pipelined step on XLA:GPU (llama3-8b pp 4 ZB-V:
   0.55 of 1.39 s of memory-bound kernels).
-* Weight gradients accumulate per local chunk, unreduced over dp (ZeRO-2: reduce-scattered per
-  micro-batch by :attr:`PipelineModel.reduce`); the caller reduces them once after the schedule.
+* Weight gradients accumulate per local chunk, layer by layer inside the backward's layer
+  scans (:meth:`~jaxpar.pipeline.backward.BackwardActions.sink`), unreduced over dp (ZeRO-2:
+  reduce-scattered per micro-batch and layer by :attr:`PipelineModel.reduce`); the caller
+  reduces them once after the schedule.
 
 Every conditional runs under a named scope stating how often the table takes each branch
 (:class:`~jaxpar.pipeline.branches.BranchWeights`, computed once beside the program). What a
@@ -81,7 +83,7 @@ from jaxpar.pipeline.carry import (
     StageParams,
     TickIn,
 )
-from jaxpar.pipeline.stage import Stage, StagePieces
+from jaxpar.pipeline.stage import Chunk, Stage, StagePieces
 from jaxpar.pipeline.step_tables import StepTables
 from jaxpar.pipeline.tables import B_INPUT, CHANNEL_OF_SEND, F_FB, F_RUN, SEND_LOCAL, TickTable
 
@@ -91,8 +93,9 @@ class PipelineModel:
     """The model pieces the executor runs, with the layout's hooks applied.
 
     ``embed(embed_params, tokens_BxS) -> x``; ``head_loss(head_params, y, targets) -> loss``;
-    ``reduce[k](g)``: the per-micro-batch reduction of chunk-gradient leaf ``k`` (ZeRO-2's
-    reduce-scatter; identity otherwise), in the order of the chunk tree's leaves;
+    ``reduce[k](g)``: the per-micro-batch reduction of one layer's gradient of chunk leaf
+    ``k`` (ZeRO-2's reduce-scatter; identity otherwise), in the order of the chunk tree's
+    leaves;
     ``forward_collectives``: whether a stage's forward (or the head) runs collectives of its
     own (tp, sp, ep, ZeRO-3 gathers): every collective of the backward phase (the
     embedding's gradient reduction included) is then issued before it.
@@ -146,8 +149,9 @@ class _Program(BackwardActions):
             raise ValueError("pipeline table: a training forward (F) without a stash slot")
         x0 = jax.eval_shape(model.embed, params.embed, tokens[0])
         self.dtype, self.msg0 = x0.dtype, jnp.zeros(x0.shape, x0.dtype)
-        self.stage = Stage(model.pieces, self.chunk(0), self.msg0)
-        leaves, self.tree = jax.tree.flatten(self.chunk(0))
+        self.stage = Stage(model.pieces, params.local, self.msg0)
+        leaves, self.tree = jax.tree.flatten(Chunk.layer_shapes(params.local))
+        # Per chunk leaf, one layer's gradient as its accumulator holds it (ZeRO-2: a shard).
         self.acc_shapes = [jax.eval_shape(r, x) for r, x in zip(model.reduce, leaves, strict=True)]
         self.embed_shapes = self._embed_grad_shapes() if self.train else None
         # The backward kinds the table runs, and per chunk leaf whether I computes its gradient
@@ -157,6 +161,7 @@ class _Program(BackwardActions):
         split = self.stage.split
         self.in_i = (tuple(split.input_grad_mask) if split and B_INPUT in self.ran
                      else (False,) * len(leaves))  # fmt: skip
+        self.in_big = tuple(not i for i in self.in_i)  # added in the full backward's layer scans
         # What each phase returns, as shapes: a branch's outputs are `fresh` values of these,
         # the zeros made inside the branch (carry.fresh says why).
         msg, loss = jax.ShapeDtypeStruct(x0.shape, x0.dtype), jax.ShapeDtypeStruct((), jnp.float32)
@@ -175,12 +180,10 @@ class _Program(BackwardActions):
 
         return jax.eval_shape(grad_of, self.params.embed, self.tokens[0])
 
-    def chunk(self, c) -> Any:
-        """Local chunk ``c``'s ``[Lc, ...]`` params."""
-        local = self.params.local
-        if self.tables.schedule.v == 1:
-            return jax.tree.map(lambda a: a[0], local)
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False), local)
+    def chunk(self, c) -> Chunk:
+        """Local chunk ``c`` of this rank's layers, read layer by layer (never sliced out
+        whole: :class:`~jaxpar.pipeline.stage.Chunk`)."""
+        return Chunk(self.params.local, 0 if self.tables.schedule.v == 1 else jnp.maximum(c, 0))
 
     def _loss_of(self, j: jax.Array) -> Callable:
         tg = self.targets[j]
@@ -377,6 +380,7 @@ class _Program(BackwardActions):
                   stats=stats)  # fmt: skip
         if not self.train:
             return c
+        layers = [jax.ShapeDtypeStruct((st.n_layers, *s.shape), s.dtype) for s in self.acc_shapes]
         # The buffers the forward's conditional writes in place: each its own (distinct_zeros).
         kept = [jax.ShapeDtypeStruct((k, *s.shape), s.dtype)
                 for k, shapes in ((n.stash, st.stash_shapes), (n.taps, st.taps_shapes))
@@ -388,7 +392,7 @@ class _Program(BackwardActions):
             stash=kept[: len(st.stash_shapes)],
             taps=kept[len(st.stash_shapes) :],
             wpend=slots(n.dys, st.wpend_shapes),
-            acc=jax.tree.unflatten(self.tree, slots(self.tables.schedule.v, self.acc_shapes)),
+            acc=jax.tree.unflatten(self.tree, slots(self.tables.schedule.v, layers)),
             acc_embed=ops.fresh_zeros(self.embed_shapes),
             acc_head=ops.fresh_zeros(self.head_shapes),
             cot=slots(n.cot, [msg0])[0] if n.cot else None,

@@ -96,6 +96,7 @@ class SplitLayer:
                 tainted.update(eqn.outvars)
         self._dot_at = {d.index: k for k, d in enumerate(self.dots)}
         self._input_grad = self._params_reaching_output(n_params)
+        self._weight_grad = self._params_reaching_dots(n_params)
         self.tainted = frozenset(tainted)
         self.probe_shapes = [self._aval(d.index, out=True) for d in self.dots]
         self.tap_shapes = [self._aval(d.index, operand=d.act) for d in self.dots]
@@ -117,10 +118,30 @@ class SplitLayer:
         out = reach.get(y, set()) if not isinstance(y, Literal) else set()
         return tuple(k in out for k in range(n_params))
 
+    def _params_reaching_dots(self, n_params: int) -> tuple[bool, ...]:
+        """Per param leaf: whether a weight dot's weight operand depends on it (so ``W`` has a
+        gradient for it; with ZeRO-3's one gather of a layer's leaves, every leaf)."""
+        reach: dict = {v: {k} for k, v in enumerate(self.jaxpr.invars[:n_params])}
+        hit: set = set()
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+            got = set().union(*(reach.get(v, set()) for v in ins))
+            if i in self._dot_at:
+                w = eqn.invars[1 - self.dots[self._dot_at[i]].act]
+                hit |= reach.get(w, set()) if not isinstance(w, Literal) else set()
+            for v in eqn.outvars:
+                reach[v] = got
+        return tuple(k in hit for k in range(n_params))
+
     @property
     def input_grad_mask(self) -> tuple[bool, ...]:
         """Per param leaf: whether ``I`` computes its gradient (the others come from ``W``)."""
         return self._input_grad
+
+    @property
+    def weight_grad_mask(self) -> tuple[bool, ...]:
+        """Per param leaf: whether ``W`` computes a gradient of it."""
+        return self._weight_grad
 
     def _aval(self, index: int, out: bool = False, operand: int = 0) -> jax.ShapeDtypeStruct:
         eqn = self.jaxpr.eqns[index]

@@ -146,18 +146,20 @@ class PipelineRun:
         return PipelineModel(pieces, embed, head_loss, self._reducers(), own)
 
     def _reducers(self) -> tuple:
-        """Per chunk-gradient leaf, its per-micro-batch reduction (ZeRO-2's reduce-scatter of
-        the local tp/sp block), else the identity."""
+        """Per chunk-gradient leaf, the per-micro-batch reduction of one layer's gradient
+        (ZeRO-2's reduce-scatter of the local tp/sp block, issued in the backward's layer
+        scan), else the identity."""
         red = self.ctx.reduction
         dims = jax.tree.leaves(red.dims[self.key])
         if red.stage != 2:
             return (lambda g: g,) * len(dims)
-        # A chunk leaf [Lc, ...] has the rank of the stack at rest [L, ...]: same dims, specs.
+        # One layer's leaf is the stack's [L, ...] leaf without its layer dim.
         specs = jax.tree.leaves(red.auto_specs[self.key], is_leaf=lambda x: isinstance(x, P))
         return tuple(
-            dataclasses.replace(red, dims=d, auto_specs=s).per_microbatch
+            dataclasses.replace(red, dims=d - 1 if d >= 0 else d,
+                                auto_specs=P(*tuple(s)[1:])).per_microbatch
             for d, s in zip(dims, specs, strict=True)
-        )
+        )  # fmt: skip
 
     def _split_params(self, params: Any):
         """This rank's ``[v, Lc, ...]`` layers, and the embedding and head params it reads
