@@ -54,7 +54,9 @@ OPTIMIZER_BYTES = 30.0  # Adam: read p, g, m, v (fp32), write p, m, v, and the b
 # its chunks' weights: the fp32 -> bf16 cast in the forward tick (read 4, write 2) and again in
 # the backward tick (its recompute and input gradient read the bf16 copy; 6), and the fp32
 # gradient accumulation of the backward (read the accumulator and the gradient, write: 12).
-# The tick loop cannot hoist them (each tick slices its chunk). Checked against the time
+# The tick loop cannot hoist them: each layer's slice of the stack is cast where the layer
+# uses it, in the forward and again in the backward, and its gradient added in the backward's
+# layer scan (jaxpar.pipeline.stage). Checked against the time
 # model's trace of a pipelined llama3-8b (BENCHMARKS.md, "The planner held to the program").
 CAST_BYTES, ADD_BYTES = 6.0, 12.0
 TICK_WEIGHT_BYTES = 2 * CAST_BYTES + ADD_BYTES
@@ -211,14 +213,23 @@ def optimizer_time(model: ModelConfig, lay: LayoutConfig, mem_bw: float) -> floa
     return OPTIMIZER_BYTES * held / mem_bw
 
 
+def tick_params(model: ModelConfig, lay: LayoutConfig) -> int:
+    """Parameters whose weights the busiest rank of a pipeline casts, and whose gradients it
+    adds, every micro-batch: its layers, and the embedding or the head, whichever is larger
+    (stage-owned: each lives on the rank of the stage that uses it, jaxpar.pipeline.rest)."""
+    pc = param_counts(model, lay)
+    return pc.blocks + max(pc.local_of("embed"), pc.local_of("head"))
+
+
 def tick_weights(model: ModelConfig, lay: LayoutConfig, mem_bw: float, ex: Executor) -> float:
     """Seconds a jaxpar pipeline's tick program spends casting its chunks' weights and
-    accumulating their gradients (``TICK_WEIGHT_BYTES`` per local parameter and micro-batch).
-    Not priced outside a pipeline (not measured there), under ZeRO-3 (the gathers cast the
-    shard and the accumulated gradients are shards) or for other frameworks."""
+    accumulating their gradients on its busiest rank (``TICK_WEIGHT_BYTES`` per parameter of
+    :func:`tick_params` and micro-batch). Not priced outside a pipeline (not measured there),
+    under ZeRO-3 (the gathers cast the shard and the accumulated gradients are shards) or for
+    other frameworks."""
     if lay.pp == 1 or lay.zero >= 3 or not ex.follows_model:
         return 0.0
-    return lay.microbatches * TICK_WEIGHT_BYTES * param_counts(model, lay).local / mem_bw
+    return lay.microbatches * TICK_WEIGHT_BYTES * tick_params(model, lay) / mem_bw
 
 
 def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0, head=0.0, mem_bw=None) -> tuple:
@@ -237,7 +248,7 @@ def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0, head=0.0, mem_b
         # accumulation in W (or B). Its seconds are the tick_weights term; here it shapes the
         # schedule's makespan.
         mem_bw = mem_bw or memory_bound_bw(hw, None)
-        local = param_counts(model, lay).local / mem_bw / f_stage
+        local = tick_params(model, lay) / mem_bw / f_stage
         cast, add = CAST_BYTES * local, ADD_BYTES * local
         costs = replace(costs, f=1.0 + cast, b=costs.b + cast + add, i=costs.i + cast,
                         w=costs.w + add)  # fmt: skip
