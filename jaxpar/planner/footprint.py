@@ -19,8 +19,8 @@ all call. Breakdown (bytes on the most loaded device; ``host`` apart):
   (``Executor.zero3_layers``: gathered weights and unreduced gradient; XLA:GPU only).
 * ``head``: the loss's fp32 logits-sized buffers (``dense``), or a chunk of them.
 * ``pipeline``: the executor's message slots, the stash-sized sets a tick holds beyond the
-  schedule's peak (``Executor.tick_stashes``), a backward tick's chunk gradient before it is
-  accumulated, a split backward's buffers from ``I`` to ``W`` (:func:`pending_w_bytes`),
+  schedule's peak (``Executor.tick_stashes``), a split backward's buffers from ``I`` to ``W``
+  (:func:`pending_w_bytes`),
   and the head/embedding gradient accumulators
   (pp > 1: every rank carries one slot of each, live on its owner, :mod:`jaxpar.pipeline.rest`;
   stage 0 embeds each micro-batch in its forward, so no embedded batch is held).
@@ -195,10 +195,8 @@ def _pipeline_bytes(model, lay, executor, pipe, pc, tokens, per_layer, carried) 
     pipeline = msg * (n_act + n_grad + n_cot)  # receive slots and the loss cotangents
     pipeline += executor.tick_stashes * per_layer * chunk  # the tick's own residual sets
     pipeline += wp * (pc.local - pc.blocks)  # head/embedding grads accumulator
-    # A backward tick's chunk gradient, before the accumulator adds it (Executor.tick_grads;
-    # a shard from ZeRO-2 on: reduce-scattered per micro-batch inside the branch).
-    blocks = pc.blocks * (pc.sharded / pc.local if lay.zero >= 2 else 1.0)
-    pipeline += executor.tick_grads * wp * blocks / lay.virtual
+    # No chunk gradient: the backward adds each layer's gradient to the accumulator inside its
+    # layer scan (jaxpar.pipeline.stage), so no tick holds a chunk's beside it.
     # The scan carries the stashes and the gradient accumulators (Executor.carry_copies).
     return pipeline + executor.carry_copies * (carried + pipeline)
 

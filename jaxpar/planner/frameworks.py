@@ -75,11 +75,6 @@ class Executor:
       within 3% without it). XLA:GPU with the mesh files' pipelined all-gather/reduce-scatter:
       1 — the layer loop carries the next layer's gathered weights and the previous layer's
       unreduced gradient (:func:`for_target`).
-    * ``tick_grads``: chunk gradients a pipeline's backward tick holds beside the accumulator
-      (the branch's output before the add). XLA:CPU: 0 (it adds in place:
-      ``tests/test_planner.py``'s interleaved row). XLA:GPU: 1 (llama3-8b pp 4 × dp 2 on
-      h100-8 under full recompute compiles to 1.14x / 1.23x the planner without it
-      (interleaved / 1F1B), 1.05x / 1.05x with it; :func:`for_target`).
     * ``ring_hidden``: share of Megatron-SP's tp all-gather/reduce-scatter time that the
       collective matmul's ``ppermute`` rings hide behind their chunk matmuls, inside one node
       (:mod:`jaxpar.model.collective_matmul`; :func:`for_target` sets it from the compiled
@@ -120,7 +115,6 @@ class Executor:
     selective_reruns_kernel: bool = False
     follows_model: bool = False
     zero3_layers: float = 0.0
-    tick_grads: float = 0.0
     sp_grads_per_layer: bool = False
     ring_hidden: float = 0.0
     reduce_after_backward: bool = False
@@ -195,8 +189,7 @@ def for_target(hw, executor: Executor = JAXPAR) -> Executor:
         return executor
     pipelined = any(f in (hw.xla_flags or ()) for f in PIPELINED_COLLECTIVES)
     return executor.with_(zero3_layers=1.0 if pipelined else executor.zero3_layers,
-                          tick_grads=1.0, zero3_window=ZERO3_WINDOW,
-                          ring_hidden=RING_HIDDEN)  # fmt: skip
+                          zero3_window=ZERO3_WINDOW, ring_hidden=RING_HIDDEN)  # fmt: skip
 
 
 # XLA:GPU's latency-hiding scheduler plans for SCHEDULER_BASE of the device's memory less the
