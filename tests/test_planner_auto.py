@@ -348,8 +348,9 @@ def test_planner_prices_what_the_compiled_gpu_program_overlaps():
 def test_pipeline_ticks_price_their_weight_casts_and_gradient_adds():
     """jaxpar's tick program casts each chunk's weights and adds its gradient into the fp32
     accumulator every micro-batch (cost.TICK_WEIGHT_BYTES per parameter of the busiest rank:
-    its layers and the larger of the embedding and the head, not both); not outside a
-    pipeline, not under ZeRO-3, not for another framework's executor."""
+    its layers and the larger of the embedding and the head, not both); under ZeRO-3 on the
+    shards (a gather casts the shard it sends; the accumulated gradients are shards); not
+    outside a pipeline, not for another framework's executor."""
     from jaxpar.planner import cost as CO
     from jaxpar.planner import published_runs as PR
     from jaxpar.planner.shapes import param_counts
@@ -363,5 +364,8 @@ def test_pipeline_ticks_price_their_weight_casts_and_gradient_adds():
     assert CO.tick_weights(model, pp, bw, ex) == pytest.approx(want) and want > 0
     assert CO.step_cost(model, hw, pp, Shape(16, 2048)).terms["tick_weights"] == pytest.approx(want)
     assert CO.tick_weights(model, dataclasses.replace(pp, pp=1, dp=8), bw, ex) == 0
-    assert CO.tick_weights(model, dataclasses.replace(pp, zero=3), bw, ex) == 0
+    z3 = dataclasses.replace(pp, zero=3)
+    shard = param_counts(model, z3).sharded / param_counts(model, z3).local  # 1 / dp
+    assert shard == pytest.approx(1 / 2)
+    assert CO.tick_weights(model, z3, bw, ex) == pytest.approx(want * shard)
     assert CO.tick_weights(model, pp, bw, PR.MEGATRON_2022) == 0

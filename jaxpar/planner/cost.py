@@ -213,21 +213,23 @@ def optimizer_time(model: ModelConfig, lay: LayoutConfig, mem_bw: float) -> floa
     return OPTIMIZER_BYTES * held / mem_bw
 
 
-def tick_params(model: ModelConfig, lay: LayoutConfig) -> int:
+def tick_params(model: ModelConfig, lay: LayoutConfig) -> float:
     """Parameters whose weights the busiest rank of a pipeline casts, and whose gradients it
     adds, every micro-batch: its layers, and the embedding or the head, whichever is larger
-    (stage-owned: each lives on the rank of the stage that uses it, jaxpar.pipeline.rest)."""
+    (stage-owned: each lives on the rank of the stage that uses it, jaxpar.pipeline.rest).
+    Under ZeRO-3 their shards: each gather casts the shard it sends, and the accumulated
+    gradients are shards."""
     pc = param_counts(model, lay)
-    return pc.blocks + max(pc.local_of("embed"), pc.local_of("head"))
+    n = pc.blocks + max(pc.local_of("embed"), pc.local_of("head"))
+    return n * (pc.sharded / pc.local if lay.zero >= 3 else 1.0)
 
 
 def tick_weights(model: ModelConfig, lay: LayoutConfig, mem_bw: float, ex: Executor) -> float:
     """Seconds a jaxpar pipeline's tick program spends casting its chunks' weights and
     accumulating their gradients on its busiest rank (``TICK_WEIGHT_BYTES`` per parameter of
-    :func:`tick_params` and micro-batch). Not priced outside a pipeline (not measured there),
-    under ZeRO-3 (the gathers cast the shard and the accumulated gradients are shards) or for
-    other frameworks."""
-    if lay.pp == 1 or lay.zero >= 3 or not ex.follows_model:
+    :func:`tick_params` and micro-batch). Not priced outside a pipeline (not measured there)
+    or for other frameworks."""
+    if lay.pp == 1 or not ex.follows_model:
         return 0.0
     return lay.microbatches * TICK_WEIGHT_BYTES * tick_params(model, lay) / mem_bw
 
