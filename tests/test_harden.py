@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import MODEL_YAML
+from conftest import MODEL_YAML, TEST_XLA_FLAGS
 from jax import monitoring
 
 from jaxpar.checkpoint import Checkpointer, verify_step
@@ -66,7 +66,8 @@ def _env(**extra):
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
     )
-    env.pop("XLA_FLAGS", None)  # conftest's simulated device count must not leak into children
+    # no simulated device count of this process's; the suite's compile flags (conftest)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS
     return dict(env, **extra)
 
 

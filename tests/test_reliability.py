@@ -17,7 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import MODEL_YAML, TEST_MODEL
+from conftest import MODEL_YAML, TEST_MODEL, TEST_XLA_FLAGS
 
 from jaxpar import config as C
 from jaxpar.checkpoint import MANIFEST, Checkpointer, verify_step
@@ -357,7 +357,7 @@ def _env():
     import jaxpar
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(jaxpar.__file__).parents[1]))
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # no device count of this process's; -O0 (conftest)
     return env
 
 
