@@ -7,6 +7,7 @@ saying so, they are not skipped.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import pickle
@@ -327,6 +328,30 @@ def test_compile_zero3_saves_and_loads(tmp_path):
     assert got["loaded"] is os.path.exists("/proc/driver/nvidia/version")
 
 
+def _grads(cfg):
+    """Loss and gradients of the layout from its own initial params, on stdlib rows."""
+    import jax
+    import numpy as np
+
+    from jaxpar.data import Batches, load_corpus
+    from jaxpar.devices import make_mesh
+    from jaxpar.train.step import Trainer
+
+    tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
+    t = cfg.train
+    batch = Batches(load_corpus("stdlib", 256), t.global_batch, t.seq_len, seed=3)
+    loss, g = tr.grads(tr.init_state(0)["params"], batch.global_array(0, tr.batch_sharding))
+    return float(loss), jax.tree.map(np.asarray, g)
+
+
+@functools.cache
+def _one_device_grads():
+    """The one-device reference, once for both ZeRO stages below."""
+    from conftest import small_config
+
+    return _grads(small_config(dp=1))
+
+
 @pytest.mark.parametrize("zero", [1, 3])
 def test_per_leaf_collectives_match_single_device(monkeypatch, zero):
     """The GPU targets' ZeRO form (one gather and one reduce-scatter per leaf, not one per
@@ -336,22 +361,12 @@ def test_per_leaf_collectives_match_single_device(monkeypatch, zero):
     import numpy as np
     from conftest import small_config
 
-    from jaxpar.data import Batches, load_corpus
-    from jaxpar.devices import make_mesh
     from jaxpar.train import reduce
-    from jaxpar.train.step import Trainer
 
-    def grads(cfg):
-        tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
-        t = cfg.train
-        batch = Batches(load_corpus("stdlib", 256), t.global_batch, t.seq_len, seed=3)
-        loss, g = tr.grads(tr.init_state(0)["params"], batch.global_array(0, tr.batch_sharding))
-        return float(loss), jax.tree.map(np.asarray, g)
-
-    ref_loss, ref = grads(small_config(dp=1))
+    ref_loss, ref = _one_device_grads()
     calls = []
     monkeypatch.setattr(reduce, "packed_collectives", lambda: calls.append(1) or False)
-    loss, g = grads(small_config(dp=4, tp=2, zero=zero, microbatches=2))
+    loss, g = _grads(small_config(dp=4, tp=2, zero=zero, microbatches=2))
     assert calls  # the per-leaf form ran
     assert abs(loss / ref_loss - 1) < 1e-5
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), g, ref)
