@@ -42,8 +42,9 @@ automatic, so the stage code is the same Megatron/ZeRO code as without a pipelin
   before the forward, so each rank's forward waited for its neighbours' backward phases.
 * **Gradients added where they exist**: the accumulators (:class:`~jaxpar.pipeline.carry.Grads`)
   enter the conditionals of the phases that add to them, and only the branch that computed a
-  gradient adds it, in place (``B``/``W``/``FB`` to its chunk's slot, ``I`` only its non-dot
-  leaves, stage 0's ``B``/``I`` to the embedding's, the last stage's head to the head's); idle
+  gradient adds it, in place (a full backward — ``B``, ``W`` or ``FB`` — to its chunk's slot
+  in the one layer scan they all end in, ``I`` only its non-dot leaves, stage 0's ``B``/``I``
+  to the embedding's, the last stage's head to the head's); idle
   branches and other ranks hand them back untouched, with no zero gradient made
   (:mod:`jaxpar.pipeline.backward`). Adding every tick's gradient, zeros included, on every
   rank was the largest memory-bound cost of a pipelined step on XLA:GPU (llama3-8b pp 4 ZB-V:
