@@ -62,3 +62,30 @@ def small_config(**layout) -> C.RunConfig:
 def make_cfg():
     """Factory of small run configs: ``make_cfg(dp=8)``."""
     return small_config
+
+
+# The slowest files first. ``--dist loadfile`` hands each worker one file at a time, by default
+# in descending order of test count, which left two-test files like test_install.py (two
+# minutes) to the end, one worker finishing them while the other sat idle. Ordered by their
+# measured time (heaviest first; unlisted files follow in collection order), the last files
+# handed out are the short ones. A stale list only costs balance, never a test.
+SLOW_FIRST = (
+    "test_docs.py", "test_moe_ragged.py", "test_gpu_compile.py", "test_moe_pipeline.py",
+    "test_survive.py", "test_install.py", "test_grad_path.py", "test_pipeline.py",
+    "test_attention.py", "test_moe.py", "test_harden.py", "test_zero.py", "test_tpsp.py",
+    "test_moe_decode.py", "test_planner.py", "test_reliability.py", "test_plan_verify.py",
+    "test_pods.py", "test_notebook.py", "test_train.py", "test_planner_moe.py",
+    "test_gpu_remat.py", "test_vocab_pad.py", "test_gpu_timing.py", "test_planner_auto.py",
+    "test_data_e2e.py", "test_bench.py", "test_hf.py", "test_decode.py", "test_fuzz.py",
+    "test_hostmem.py", "test_pipeline_gpu_sends.py", "test_loop.py", "test_kept_and_true.py",
+)  # fmt: skip
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
