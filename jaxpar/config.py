@@ -229,6 +229,9 @@ class LayoutConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     reduce_dtype: str = "float32"
+    # FP8 GEMMs of the attention projections and the MLP (jaxpar.model.fp8): "none",
+    # "tensorwise" or "rowwise" (current scaling); needs compute_dtype bfloat16.
+    fp8: str = "none"
     # Expert parallelism folded onto dp: routed experts sharded over groups of `ep` consecutive
     # dp ranks (jaxpar.model.moe); everything else stays data-parallel over them.
     ep: int = 1

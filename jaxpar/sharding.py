@@ -50,6 +50,7 @@ class Rules:
     head_shards: int = 1  # devices the attention core's heads are split over (tp or tp·sp)
     tp: int = 1  # tensor-parallel degree (fused column-parallel weights are grouped by it)
     ep: int = 1  # expert-parallel degree (the routed experts' dim is split over it)
+    fp8: str = "none"  # the linear layers' FP8 recipe (layout.fp8, jaxpar.model.fp8)
 
     def lookup(self, logical: str | None) -> MeshAxes:
         """Mesh axes a logical axis maps to (first matching rule wins)."""
@@ -130,6 +131,7 @@ def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
         head_shards=shards,
         tp=tp,
         ep=layout.ep,
+        fp8=layout.fp8,
     )
 
 

@@ -321,6 +321,7 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             f"train.seq_len={t.seq_len}: must be <= model.max_seq_len={m.max_seq_len}"
         )
     check_layout(m, lay, t.global_batch, t.seq_len, n_devices)
+    check_fp8_device(lay.fp8, cfg.mesh.hardware.platform, cfg.mesh.hardware.gpu)
     if t.init_from_hf and t.resume:
         raise ConfigError(
             f"train.init_from_hf={t.init_from_hf!r}: conflicts with train.resume=True (the "
@@ -387,6 +388,7 @@ def check_layout(
         )
     _check_heads(m, lay)
     _check_moe_layout(m, lay)
+    _check_fp8(m, lay)
     if m.n_layers % (lay.pp * lay.virtual):
         raise ConfigError(
             f"model.n_layers={m.n_layers}: must be divisible by pp*virtual="
@@ -460,6 +462,49 @@ def _check_ragged_slots(m: ModelConfig, lay: LayoutConfig, global_batch: int, se
             f"{e.experts * rows * c} slots (rows: global_batch/dp={global_batch}/{lay.dp}): "
             f"must be at most {INT32_MAX} (int32 slot indices in the compiled step; "
             "model.moe.dispatch=padded indexes one sequence's)"
+        )
+
+
+def _check_fp8(m: ModelConfig, lay: LayoutConfig) -> None:
+    """``layout.fp8``: a known recipe, on bf16 compute, for dense models."""
+    from jaxpar.model.fp8 import NAMES
+
+    _one_of("layout.fp8", lay.fp8, NAMES)
+    if lay.fp8 == "none":
+        return
+    if lay.compute_dtype != "bfloat16":
+        raise ConfigError(
+            f"layout.fp8={lay.fp8!r}: needs layout.compute_dtype='bfloat16' (FP8 GEMMs replace "
+            f"the bf16 ones), not {lay.compute_dtype!r}"
+        )
+    if m.moe.enabled:
+        raise ConfigError(
+            f"layout.fp8={lay.fp8!r}: FP8 expert GEMMs are not supported yet (MoE model); run "
+            "the MoE model with layout.fp8='none'"
+        )
+
+
+# Compute capability of the first NVIDIA GPUs with FP8 tensor cores (Ada sm_89, Hopper sm_90).
+FP8_MIN_CC = (8, 9)
+
+
+def check_fp8_device(recipe: str, platform: str, gpu: str | None = None,
+                     capability: tuple[int, int] | None = None) -> None:  # fmt: skip
+    """Refuse an FP8 recipe on a GPU without FP8 tensor cores (``gpu``: a mesh file's kind,
+    ``capability``: a live device's). Emulating there would run slower than bf16 for the same
+    numerics, so it is refused; the CPU emulates (tests, laptops: the numerics, not the speed)."""
+    if recipe == "none" or platform not in config.GPU_PLATFORMS:
+        return
+    if capability is None and gpu:
+        from jaxpar.gpu.targets import GpuSpec
+
+        capability = GpuSpec.load(gpu).compute_capability
+    if capability is not None and tuple(capability) < FP8_MIN_CC:
+        where = f"hardware.gpu={gpu!r}" if gpu else "this GPU"
+        raise ConfigError(
+            f"layout.fp8={recipe!r}: {where} (compute capability "
+            f"{'.'.join(map(str, capability))}) has no FP8 tensor cores (needs 8.9+: H100, "
+            "H200, L40S); use layout.fp8='none'"
         )
 
 

@@ -30,7 +30,7 @@ HELP = "compile the train step for a GPU pod (no GPU needed): memory, collective
 # `jaxpar plan --emit-flags` prints is one (tests/test_planner_auto.py).
 STEP_FLAGS = ("global_batch", "seq_len", "devices", "dp", "tp", "pp", "sp", "zero", "ep",
               "microbatches", "schedule", "virtual", "pipeline_memory", "sp_mode", "remat",
-              "offload", "compute_dtype")  # fmt: skip
+              "offload", "compute_dtype", "fp8")  # fmt: skip
 
 # The files the command writes (flag dests), no two the same file and none beside --load
 # (check_outputs, before compiling); --save and --hlo are new files (_checks.new_file, when

@@ -11,7 +11,7 @@ import time
 HELP = "held-out loss and perplexity of a checkpoint or Hugging Face weights on a token file"
 
 LAYOUT_FLAGS = (
-    "dp", "tp", "pp", "sp", "zero", "sp_mode", "compute_dtype", "global_batch", "seq_len",
+    "dp", "tp", "pp", "sp", "zero", "sp_mode", "compute_dtype", "fp8", "global_batch", "seq_len",
     "data_dtype",
 )  # fmt: skip
 

@@ -110,7 +110,8 @@ def build_config(args: argparse.Namespace):
 
 
 LAYOUT_NAMES = ("dp", "tp", "pp", "sp", "zero", "microbatches", "schedule", "virtual",
-                "pipeline_memory", "sp_mode", "remat", "offload", "compute_dtype")  # fmt: skip
+                "pipeline_memory", "sp_mode", "remat", "offload", "compute_dtype",
+                "fp8")  # fmt: skip
 
 
 def auto_layout(cfg, args: argparse.Namespace) -> dict | None:

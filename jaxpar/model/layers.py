@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model import collective_matmul as cm
+from jaxpar.model import fp8
 from jaxpar.model.attention import core as attention_core
 from jaxpar.model.attention import kv_repeat, resolve, ring_attention, target, ulysses
 from jaxpar.model.names import projected, resharded, weight
@@ -103,7 +104,12 @@ def column_parallel(x_BxSxD: jax.Array, w_DxN: jax.Array, matmul=project) -> jax
     matmul instead (:func:`jaxpar.model.collective_matmul.column_parallel`: the all-gather as a
     ring of sends, each beside the matmul of the chunk that arrived before it). ``matmul``:
     the plain product used without it (the GELU MLP's is JAX's own, whose residuals the
-    planner's remat terms count)."""
+    planner's remat terms count).
+
+    Under an FP8 recipe (``layout.fp8``) the product is :func:`jaxpar.model.fp8.tensordot` on
+    the gathered ``x`` (Megatron-SP's all-gather as GSPMD places it, not the ring)."""
+    if (recipe := fp8.active()) is not None:
+        return fp8.tensordot(gather_sequence(x_BxSxD), w_DxN, 1, recipe)
     ax = cm.axes(x_BxSxD.shape[1])
     if ax is None:
         return matmul(gather_sequence(x_BxSxD), w_DxN)
@@ -119,7 +125,11 @@ def row_parallel(h: jax.Array, w: jax.Array, n: int) -> jax.Array:
     onto the residual stream's layout: :func:`scatter_sequence` of the partial sums; under
     Megatron-SP (tp > 1) the collective matmul instead
     (:func:`jaxpar.model.collective_matmul.row_parallel`: the reduce-scatter as a ring whose
-    accumulator travels while each rank multiplies its next chunk)."""
+    accumulator travels while each rank multiplies its next chunk). Under an FP8 recipe the
+    product is :func:`jaxpar.model.fp8.tensordot`, scattered as the plain path's (its output
+    named, as the ring's, for the policies that keep dot outputs: its dot is inside a VJP)."""
+    if (recipe := fp8.active()) is not None:
+        return scatter_sequence(projected(fp8.tensordot(h, w, n, recipe)))
     ax = cm.axes(h.shape[1])
     if ax is None:
         return scatter_sequence(jnp.tensordot(h, w, n))

@@ -19,6 +19,9 @@ RESHARDED = "jaxpar_resharded"
 # The output of a projection whose matmul runs inside a custom VJP (jaxpar.model.layers.project):
 # a policy that keeps dot outputs cannot see that dot, so it keeps this name as well.
 PROJECTED = "jaxpar_projected"
+# The fp32 scale of an FP8 GEMM operand (jaxpar.model.fp8): a scalar or a row vector, which every
+# policy keeps so that the backward re-quantizes its operands without taking their amax again.
+FP8_SCALE = "jaxpar_fp8_scale"
 
 
 def weight(w: jax.Array) -> jax.Array:
@@ -34,3 +37,8 @@ def resharded(x: jax.Array) -> jax.Array:
 def projected(x: jax.Array) -> jax.Array:
     """Tag ``x`` as a projection's output (an identity in the computation)."""
     return checkpoint_name(x, PROJECTED)
+
+
+def fp8_scale(s: jax.Array) -> jax.Array:
+    """Tag ``s`` as an FP8 operand's scale (an identity in the computation)."""
+    return checkpoint_name(s, FP8_SCALE)

@@ -33,11 +33,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.model.names import PROJECTED, WEIGHT
+from jaxpar.model.names import FP8_SCALE, PROJECTED, WEIGHT
 
 _offload_dots = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
 _offload_projected = jax.checkpoint_policies.save_and_offload_only_these_names(
-    names_which_can_be_saved=[],
+    names_which_can_be_saved=[FP8_SCALE],  # an FP8 operand's scale: a scalar or a row
     names_which_can_be_offloaded=[PROJECTED],
     offload_src="device",
     offload_dst="pinned_host",
@@ -47,7 +47,7 @@ _offload_projected = jax.checkpoint_policies.save_and_offload_only_these_names(
 def _offload_dots_and_projections(prim, *args, **params):
     """``offload``: dot outputs and PROJECTED values to pinned host memory, the rest recomputed
     (JAX's offload policies return placements, not booleans, so they cannot be or-ed)."""
-    if prim.name == "name" and params.get("name") == PROJECTED:
+    if prim.name == "name" and params.get("name") in (PROJECTED, FP8_SCALE):
         return _offload_projected(prim, *args, **params)
     return _offload_dots(prim, *args, **params)
 
@@ -74,9 +74,10 @@ class Remat:
             return cp.nothing_saveable
         if self.name == "selective":
             # Dot outputs are activations; weights are dot *operands*, never outputs. The up
-            # projections' dots sit inside a custom VJP: their outputs carry PROJECTED.
+            # projections' dots sit inside a custom VJP: their outputs carry PROJECTED (and
+            # an FP8 GEMM's operand scales FP8_SCALE: the backward re-quantizes with them).
             return cp.save_from_both_policies(
-                cp.checkpoint_dots, cp.save_only_these_names(PROJECTED)
+                cp.checkpoint_dots, cp.save_only_these_names(PROJECTED, FP8_SCALE)
             )
         if self.name == "offload":
             return _offload_dots_and_projections

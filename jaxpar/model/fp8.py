@@ -1,0 +1,169 @@
+"""FP8 matmuls (``layout.fp8``): the linear layers' GEMMs as scaled FP8 products.
+
+A recipe quantizes both operands of every GEMM of the attention projections and the MLP —
+the forward's ``y = x·W``, and the backward's ``dx = dy·Wᵀ`` and ``dW = xᵀ·dy`` — to an FP8
+format with fp32 scales, multiplies the FP8 values with fp32 accumulation and rescales the
+product: ``y = (q(x)·q(W)) · s_x · s_W``, ``q(t) = clip(t / s_t)`` cast to FP8. The product is
+an FP8 ``dot`` in the program (``f8e4m3fn``/``f8e5m2`` operands, ``f32`` result), which XLA:GPU
+runs on Hopper's FP8 tensor cores and XLA:CPU emulates exactly (the FP8 values are products of
+small integers and powers of two, fp32 accumulation), so a CPU run has the GPU's numerics.
+
+Recipes (both "current" scaling: the scale comes from the tensor being quantized):
+
+==========  =====================================================  ==========================
+recipe      scale of each operand                                  formats (forward/backward)
+==========  =====================================================  ==========================
+tensorwise  one per tensor: amax over the whole tensor / format max e4m3 / e5m2 gradients
+rowwise     one per row of the non-contracted axes of that GEMM     e4m3 / e4m3
+==========  =====================================================  ==========================
+
+Why those formats: a tensorwise scale must cover every value of the gradient tensor at once,
+whose range spans more decades than activations or weights, so it takes e5m2's range (max
+57344, two mantissa bits) over e4m3's precision, as Transformer Engine's HYBRID format does;
+a rowwise scale adapts to each row, so e4m3's extra mantissa bit is worth more than range.
+
+**A scale is the tensor's, whatever the layout.** The amax is taken over the whole logical
+tensor of this micro-batch (tensorwise) or the whole logical row (rowwise): where the reduced
+axes are split over tp/sp, GSPMD reduces it with a small all-reduce (max) over them; where they
+include the batch, which is split over the manual dp axes of the gradient region, an explicit
+``pmax`` over those axes does (:func:`_batch_axes`). So every layout computes the same scales as
+one device with the same micro-batches, and equals it. Under a pipeline the ``pp`` axis is
+excluded: its ranks hold different layers.
+
+Embeddings, norms, attention's softmax core, the LM head, the loss and the optimizer stay in
+their precision; master weights are unchanged. The scales are residuals named
+:data:`jaxpar.model.names.FP8_SCALE`, which every remat policy keeps (a scalar or a row vector),
+so the backward re-quantizes its saved operands without a second amax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.model.names import fp8_scale
+from jaxpar.sharding import active_rules
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One FP8 recipe: the gradients' format and whether scales are per row."""
+
+    name: str
+    grad_dtype: Any  # the format of the backward's incoming gradient dy
+    rowwise: bool
+
+
+RECIPES: dict[str, Recipe] = {
+    "tensorwise": Recipe("tensorwise", E5M2, rowwise=False),
+    "rowwise": Recipe("rowwise", E4M3, rowwise=True),
+}
+NAMES = ("none", *RECIPES)  # layout.fp8's values
+
+
+def active() -> Recipe | None:
+    """The recipe of the active rules (``layout.fp8``), or None for bf16/fp32 GEMMs."""
+    rules = active_rules()
+    return RECIPES.get(rules.fp8) if rules is not None else None
+
+
+def _batch_axes() -> tuple[str, ...]:
+    """The manual mesh axes an activation's batch rows are split over here: the gradient
+    region's dp axes (not ``pp``, whose ranks hold other layers), sizes above 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(a for a in mesh.manual_axes if a != "pp" and mesh.shape[a] > 1)
+
+
+def _scale(t: jax.Array, dtype: Any, axes: tuple[int, ...], batch: bool) -> jax.Array:
+    """fp32 scale ``amax / max(dtype)`` of ``t`` reduced over ``axes`` (kept as size-1 dims);
+    ``batch``: the reduced axes include the batch rows (a pmax over the dp axes). An all-zero
+    row gets scale 1 (its quantized values are zeros whatever the scale)."""
+    amax = jnp.max(jnp.abs(t), axis=axes, keepdims=True).astype(jnp.float32)
+    if batch and (dp := _batch_axes()):
+        amax = jax.lax.pmax(amax, dp)  # a small all-reduce (max) over dp: the tensor's amax
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.where(amax > 0, amax / fmax, 1.0)
+
+
+def _quantize(t: jax.Array, s: jax.Array, dtype: Any) -> jax.Array:
+    """``t / s`` in ``dtype``, clipped to its range (a cast past e4m3fn's max gives NaN)."""
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(t.astype(jnp.float32) / s, -fmax, fmax).astype(dtype)
+
+
+def _dot(a: jax.Array, b: jax.Array, ca: tuple[int, ...], cb: tuple[int, ...]) -> jax.Array:
+    """The FP8 GEMM: ``a`` and ``b`` contracted over ``ca``/``cb``, fp32 accumulation."""
+    return jax.lax.dot_general(a, b, ((ca, cb), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _squeeze(s: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """A keepdims scale without its reduced axes (its shape on the product's axes)."""
+    return jnp.squeeze(s, axes) if s.ndim else s
+
+
+def _outer(sa: jax.Array, sb: jax.Array, nb: int) -> jax.Array:
+    """``sa`` (over the product's leading axes) times ``sb`` (its trailing ``nb`` axes)."""
+    if not sa.ndim:
+        return sa * sb
+    return sa.reshape(sa.shape + (1,) * nb) * sb
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def tensordot(x: jax.Array, w: jax.Array, n: int, recipe: Recipe) -> jax.Array:
+    """``jnp.tensordot(x, w, n)`` (``x``'s last ``n`` axes against ``w``'s first ``n``) as an
+    FP8 GEMM of ``recipe``, in ``x``'s dtype; ``x``'s leading axes are batch and sequence."""
+    return _forward(x, w, n, recipe)[0]
+
+
+def _forward(x, w, n, recipe):
+    cx = tuple(range(x.ndim - n, x.ndim))  # contracted: x's trailing n, w's leading n
+    cw = tuple(range(n))
+    if recipe.rowwise:  # x per row (its lead axes), w per column (its trailing axes)
+        sx, sw = _scale(x, E4M3, cx, batch=False), _scale(w, E4M3, cw, batch=False)
+        s = _outer(_squeeze(sx, cx), _squeeze(sw, cw), w.ndim - n)
+    else:
+        sx = jnp.squeeze(_scale(x, E4M3, tuple(range(x.ndim)), batch=True))
+        sw = jnp.squeeze(_scale(w, E4M3, tuple(range(w.ndim)), batch=False))  # scalars
+        s = sx * sw
+    sx, sw = fp8_scale(sx), fp8_scale(sw)
+    y = _dot(_quantize(x, sx, E4M3), _quantize(w, sw, E4M3), cx, cw) * s
+    return y.astype(x.dtype), (x, w, sx, sw)
+
+
+def _tensordot_fwd(x, w, n, recipe):
+    return _forward(x, w, n, recipe)
+
+
+def _tensordot_bwd(n, recipe, res, dy):
+    x, w, sx, sw = res
+    lead = x.ndim - n  # batch and sequence (and any other non-contracted axes of x)
+    dlead, dout = tuple(range(lead)), tuple(range(lead, dy.ndim))  # dy's axes
+    wout = tuple(range(n, w.ndim))  # w's output axes (dy's trailing ones)
+    g = recipe.grad_dtype
+    if recipe.rowwise:
+        # dx = dy·Wᵀ contracts the output axes: dy per row, W per input row (over its outputs).
+        sdy_r, sw_r = _scale(dy, g, dout, batch=False), _scale(w, E4M3, wout, batch=False)
+        dx = _dot(_quantize(dy, sdy_r, g), _quantize(w, sw_r, E4M3), dout, wout)
+        dx = dx * _outer(_squeeze(sdy_r, dout), _squeeze(sw_r, wout), n)
+        # dW = xᵀ·dy contracts batch and sequence (split over dp): per column of each.
+        sx_c, sdy_c = _scale(x, E4M3, dlead, batch=True), _scale(dy, g, dlead, batch=True)
+        dw = _dot(_quantize(x, sx_c, E4M3), _quantize(dy, sdy_c, g), dlead, dlead)
+        dw = dw * _outer(_squeeze(sx_c, dlead), _squeeze(sdy_c, dlead), w.ndim - n)
+    else:
+        sdy = jnp.squeeze(_scale(dy, g, tuple(range(dy.ndim)), batch=True))
+        qdy = _quantize(dy, sdy, g)
+        dx = _dot(qdy, _quantize(w, sw, E4M3), dout, wout) * (sdy * sw)
+        dw = _dot(_quantize(x, sx, E4M3), qdy, dlead, dlead) * (sx * sdy)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+tensordot.defvjp(_tensordot_fwd, _tensordot_bwd)

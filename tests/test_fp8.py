@@ -1,0 +1,171 @@
+"""FP8 GEMMs (``layout.fp8``, jaxpar.model.fp8): the quantized products against a reference
+written from the recipe's definition, scales that are the whole tensor's on every layout (each
+layout equals one device), the FP8 dots in the compiled H100 program, and refusals.
+
+Layout equivalence runs with fp32 compute, which the command line refuses with FP8 (a user's
+FP8 run computes in bf16): in bf16 the layouts of this model already differ from one device by
+0.5-2.4% in their gradients (reduction order, then bf16 rounding), which would hide a wrong
+scale. In fp32 only the order of fp32 sums differs, and FP8 rounding amplifies that only where
+a value lies on a rounding boundary: a dp or pipeline layout reproduces one device to 1e-6, a tp
+layout (whose partial sums are added in another order) to a few 1e-3.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import small_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import validation as V
+from jaxpar.data import Batches, load_corpus
+from jaxpar.devices import make_mesh
+from jaxpar.errors import ConfigError
+from jaxpar.model import fp8
+from jaxpar.train.step import Trainer
+
+# ---- the product against its definition ------------------------------------------------------
+
+
+def _q(t, axes, dtype):
+    """The recipe's quantization in numpy terms: scale = amax over ``axes`` / format max."""
+    t = np.asarray(t, np.float32)
+    amax = np.max(np.abs(t), axis=axes, keepdims=True)
+    s = np.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0).astype(np.float32)
+    q = np.asarray(jnp.asarray(np.clip(t / s, -jnp.finfo(dtype).max, jnp.finfo(dtype).max))
+                   .astype(dtype).astype(jnp.float32))  # fmt: skip
+    return q * s  # the dequantized operand: its product equals the scaled FP8 product
+
+
+@pytest.mark.parametrize("recipe", list(fp8.RECIPES))
+def test_product_and_gradients_follow_the_recipe(recipe):
+    """``y``, ``dx`` and ``dW`` of :func:`fp8.tensordot` equal fp32 products of operands
+    quantized as the recipe says: e4m3 forward, the recipe's format for ``dy``, scales per
+    tensor or per row of each GEMM's non-contracted axes."""
+    r = fp8.RECIPES[recipe]
+    kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (2, 8, 16)) * jnp.linspace(0.1, 10.0, 16)  # uneven columns
+    w = jax.random.normal(kw, (16, 12)) * jnp.linspace(5.0, 0.2, 12)
+    dy = jax.random.normal(kd, (2, 8, 12)) * 100.0
+    y, vjp = jax.vjp(lambda a, b: fp8.tensordot(a, b, 1, r), x, w)
+    dx, dw = vjp(dy)
+    e4, g = jnp.float8_e4m3fn, r.grad_dtype
+    if r.rowwise:
+        want_y = _q(x, (2,), e4) @ _q(w, (0,), e4)
+        want_dx = _q(dy, (2,), g) @ _q(w, (1,), e4).T
+        xq, dq = _q(x, (0, 1), e4), _q(dy, (0, 1), g)
+    else:
+        want_y = _q(x, None, e4) @ _q(w, None, e4)
+        want_dx = _q(dy, None, g) @ _q(w, None, e4).T
+        xq, dq = _q(x, None, e4), _q(dy, None, g)
+    want_dw = np.einsum("bsk,bsn->kn", xq, dq)
+    for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+    # and they are FP8 products, not the fp32 ones
+    assert np.abs(np.asarray(y) - np.asarray(x) @ np.asarray(w)).max() > 1e-3 * np.abs(want_y).max()
+
+
+def test_tensorwise_scale_spans_the_dp_rows():
+    """Inside the manual dp region each rank holds some rows; the tensorwise scale is the max
+    over all of them (a pmax over dp), so the product equals the unsharded one. Taken per rank
+    it would not (the rows here differ in magnitude by 100x)."""
+    r = fp8.RECIPES["tensorwise"]
+    mesh = jax.make_mesh((2,), ("dp",), devices=jax.devices()[:2])
+    rows = jnp.array([1.0, 1, 100, 100])[:, None, None]
+    x = jax.random.normal(jax.random.key(1), (4, 8, 16)) * rows
+    w = jax.random.normal(jax.random.key(2), (16, 8))
+    whole = fp8.tensordot(x, w, 1, r)
+
+    def sharded():
+        fn = jax.shard_map(lambda a, b: fp8.tensordot(a, b, 1, r), mesh=mesh,
+                           in_specs=(P("dp"), P()), out_specs=P("dp"), check_vma=False)  # fmt: skip
+        return fn(jax.device_put(x, NamedSharding(mesh, P("dp"))), w)
+
+    np.testing.assert_allclose(np.asarray(sharded()), np.asarray(whole), rtol=1e-6, atol=1e-6)
+    real = fp8._batch_axes
+    try:
+        fp8._batch_axes = lambda: ()  # the scale of each rank's own rows
+        local = np.asarray(sharded())
+    finally:
+        fp8._batch_axes = real
+    assert np.abs(local[:2] - np.asarray(whole)[:2]).max() > 1e-3
+
+
+# ---- every layout equals one device --------------------------------------------------------
+
+# (recipe, layout, tolerance on max|g - ref| / max|ref| per leaf): ZeRO-3 with the selective
+# policy (the scales kept, operands re-quantized), Megatron TP + SP, a pipeline with dp, and a
+# 3-D pipeline with ZeRO-3; the reference is one device with the same micro-batches (a scale is
+# per micro-batch).
+CASES = {
+    "tensorwise_dp2_zero3_selective": ("tensorwise", dict(dp=2, zero=3, remat="selective"), 1e-5),
+    "tensorwise_tp2_sp": ("tensorwise", dict(tp=2, sequence_parallel=True), 2e-2),
+    "tensorwise_dp2_pp2_m2": ("tensorwise", dict(dp=2, pp=2, microbatches=2), 1e-5),
+    "rowwise_dp2_tp2_pp2_zero3_m2": ("rowwise", dict(dp=2, tp=2, pp=2, zero=3, microbatches=2),
+                                     1e-3),
+}  # fmt: skip
+
+_GRADS: dict = {}
+
+
+def _grads(recipe: str, **layout):
+    key = (recipe, tuple(sorted(layout.items())))
+    if key not in _GRADS:
+        cfg = small_config(fp8=recipe, **layout)
+        tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
+        t = cfg.train
+        batches = Batches(load_corpus("stdlib", 256), t.global_batch, t.seq_len, seed=3)
+        loss, g = tr.grads(tr.init_state(0)["params"], batches.global_array(0, tr.batch_sharding))
+        _GRADS[key] = float(loss), jax.tree.map(np.asarray, tr.convert(g, "canonical"))
+    return _GRADS[key]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_equals_one_device(name):
+    recipe, layout, tol = CASES[name]
+    loss, g = _grads(recipe, **layout)
+    ref_loss, ref = _grads(recipe, microbatches=layout.get("microbatches", 1))
+    assert abs(loss / ref_loss - 1) < 1e-5
+    for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]:
+        r = ref
+        for k in path:
+            r = r[k.key]
+        err = np.abs(leaf - r).max() / np.abs(r).max()
+        assert err < tol, (name, jax.tree_util.keystr(path), err)
+    # and the recipe is on: its gradients are not the fp32 GEMMs' (their gap is far above tol)
+    if name == "tensorwise_dp2_zero3_selective":
+        _, plain = _grads("none")
+        pairs = zip(jax.tree.leaves(ref), jax.tree.leaves(plain), strict=True)
+        gap = max(np.abs(a - b).max() / np.abs(b).max() for a, b in pairs)
+        assert gap > 100 * tol
+
+
+# ---- refusals ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(fp8="blockwise"), "layout.fp8='blockwise'"),
+        (dict(fp8="tensorwise", compute_dtype="float32"), "needs layout.compute_dtype='bfloat16'"),
+    ],
+)
+def test_bad_recipe_refused_in_one_line(change, words):
+    cfg = small_config(**change)
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")) as e:
+        V.validate(cfg, cfg.layout.n_devices)
+    assert "\n" not in str(e.value)
+
+
+def test_gpu_without_fp8_tensor_cores_refused():
+    V.check_fp8_device("tensorwise", "gpu", "h100-sxm5-80gb")  # Hopper: accepted
+    V.check_fp8_device("tensorwise", "cpu")  # emulated on the CPU
+    V.check_fp8_device("none", "gpu", "a100-sxm4-80gb")
+    with pytest.raises(ConfigError, match=r"hardware.gpu='a100-sxm4-80gb' \(compute capability "
+                                          r"8.0\) has no FP8 tensor cores"):  # fmt: skip
+        V.check_fp8_device("rowwise", "gpu", "a100-sxm4-80gb")
+    with pytest.raises(ConfigError, match="this GPU"):
+        V.check_fp8_device("rowwise", "cuda", capability=(8, 6))
