@@ -279,6 +279,9 @@ def run(args: argparse.Namespace) -> int:
             f"{result['devices']} {result['platform']} devices: pp={lay.pp} dp={lay.dp} "
             f"sp={lay.sp} tp={lay.tp} zero={lay.zero}"
         )
+        if lay.fp8 != "none" and result["platform"] == "cpu":
+            print(f"layout.fp8={lay.fp8}: FP8 GEMMs emulated by XLA:CPU (exact FP8 products, fp32 "
+                  "accumulation): an FP8 GPU's numerics, not its speed")  # fmt: skip
         ev = result["eval_loss"]
         if result["final_loss"] is None:
             return code

@@ -7,6 +7,7 @@ explicit in/out shardings and donated state.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from jaxpar.pipeline.rest import STAGE_AXIS, RestLayout
 from jaxpar.train.grads import GradContext, loss_grads_stats, mean_loss, microbatch_split
 from jaxpar.train.guard import inject_nonfinite
 from jaxpar.train.reduce import DPReduction
+from jaxpar.validation import check_fp8_device
 from jaxpar.xla_limit import MemoryLimit, compile_within
 
 State = dict[str, Any]
@@ -78,11 +80,15 @@ def host_memory_kind(devices) -> str | None:
 
 def check_platform(cfg: RunConfig, devices) -> None:
     """Refuse, before compiling, host offload on a platform without a ``pinned_host`` memory
-    kind and a ragged MoE exchange where XLA has no ragged all-to-all."""
+    kind, a ragged MoE exchange where XLA has no ragged all-to-all, and an FP8 recipe on a GPU
+    without FP8 tensor cores."""
     lay = cfg.layout
     platform = devices[0].platform
     if cfg.model.moe.enabled:
         ragged.check(cfg.model.moe, lay.ep, platform)
+    cc = getattr(devices[0], "compute_capability", None)  # "9.0" on a CUDA device
+    if lay.fp8 != "none" and isinstance(cc, str) and re.fullmatch(r"\d+\.\d+", cc):
+        check_fp8_device(lay.fp8, platform, capability=tuple(map(int, cc.split("."))))
     if host_memory_kind(devices) is not None:
         return
     for name, value in (("offload", lay.offload), ("remat", lay.remat)):
