@@ -190,6 +190,9 @@ class HardwareConfig:
     gpu: str | None = None  # GPU kind of a GPU pod (jaxpar.gpu.targets.KINDS): its compile target
     device_memory_bytes: float = 16e9
     peak_flops_bf16: float = 1e12
+    # Dense FP8 tensor-core peak (FLOP/s); 0: the device has none (layout.fp8 priced by the
+    # planner only where it is set: jaxpar.model.fp8)
+    peak_flops_fp8: float = 0.0
     intra_node_bw: float = 50e9  # bytes/s per device, one direction (NVLink)
     devices_per_node: int = 8
     nics_per_node: int = 8  # network adapters a node's devices share for inter-node traffic

@@ -266,6 +266,7 @@ def _check_hardware(mesh: MeshConfig) -> None:
     for name in ("device_memory_bytes", "peak_flops_bf16", "intra_node_bw", "nic_bw", "hbm_bw",
                  "host_to_device_bw"):  # fmt: skip
         _number(f"hardware.{name}", getattr(hw, name), 0)
+    _number("hardware.peak_flops_fp8", hw.peak_flops_fp8, 0, lo_open=False)  # 0: no FP8
     _positive("hardware.devices_per_node", hw.devices_per_node)
     _positive("hardware.nics_per_node", hw.nics_per_node)
     check_curve("hardware.matmul_efficiency", hw.matmul_efficiency)

@@ -169,3 +169,56 @@ def test_gpu_without_fp8_tensor_cores_refused():
         V.check_fp8_device("rowwise", "gpu", "a100-sxm4-80gb")
     with pytest.raises(ConfigError, match="this GPU"):
         V.check_fp8_device("rowwise", "cuda", capability=(8, 6))
+
+
+# ---- the time model prices FP8 GEMMs on FP8 tensor cores ----------------------------------
+
+
+DIMS = "lhs_contracting_dims={1}, rhs_contracting_dims={0}"
+
+
+def _gemm_module(n: int, dtype: str) -> str:
+    """One gemm fusion of two ``dtype`` [n, n] operands with an fp32 result, XLA:GPU's form."""
+    return f"""HloModule t, is_scheduled=true, num_partitions=1
+
+%gemm_fusion (p0: {dtype}[{n},{n}], p1: {dtype}[{n},{n}]) -> f32[{n},{n}] {{
+  %p0 = {dtype}[{n},{n}]{{1,0}} parameter(0)
+  %p1 = {dtype}[{n},{n}]{{1,0}} parameter(1)
+  ROOT %d = f32[{n},{n}]{{1,0}} dot(%p0, %p1), {DIMS}
+}}
+
+ENTRY %main (a: {dtype}[{n},{n}], b: {dtype}[{n},{n}]) -> f32[{n},{n}] {{
+  %a = {dtype}[{n},{n}]{{1,0}} parameter(0)
+  %b = {dtype}[{n},{n}]{{1,0}} parameter(1)
+  ROOT %g = f32[{n},{n}]{{1,0}} fusion(%a, %b), kind=kCustom, calls=%gemm_fusion
+}}
+"""
+
+
+@pytest.mark.parametrize("mesh", ["h100-8", "a100-8"])
+def test_time_model_runs_fp8_gemms_at_the_fp8_ceiling(mesh):
+    """A large FP8 GEMM costs its FLOPs at the published FP8 ceiling (DeepGEMM: 1550 TFLOP/s
+    on Hopper), a bf16 one at the bf16 ceiling (794.5): about half the time. A GPU without FP8
+    tensor cores (A100: no ``peak_flops_fp8``) prices it as bf16. Both count as GEMMs of
+    their precision in the program."""
+    import types
+
+    from jaxpar import config as C
+    from jaxpar.analysis.hlo_text import parse_module
+    from jaxpar.gpu.costs import Coster
+    from jaxpar.gpu.timing import simulate
+
+    hw = C.load_mesh(mesh).hardware
+    one = types.SimpleNamespace(devices=np.arange(1), axis_names=("dp",))
+    n = 16384
+    t8 = simulate(_gemm_module(n, "f8e4m3fn"), one, hw).compute_s
+    t16 = simulate(_gemm_module(n, "bf16"), one, hw).compute_s
+    if mesh == "h100-8":
+        assert hw.peak_flops_fp8 == 1979e12
+        assert t8 == pytest.approx(2.0 * n**3 / 1550e12, rel=1e-9)
+        assert t16 == pytest.approx(2.0 * n**3 / 794.5e12, rel=1e-9)
+    else:
+        assert hw.peak_flops_fp8 == 0 and t8 == pytest.approx(t16, rel=1e-9)
+    counts = Coster(parse_module(_gemm_module(64, "f8e4m3fn"))[0], hw).gemms()
+    assert counts == {"fp8": 1}
+    assert Coster(parse_module(_gemm_module(64, "bf16"))[0], hw).gemms() == {"bf16": 1}

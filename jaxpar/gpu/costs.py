@@ -8,7 +8,8 @@ streams. Every figure comes from the mesh file's hardware (``peak_flops_bf16``,
   at ``peak × matmul_share(size)`` (:func:`matmul_share`), ``size`` the side of the square
   matmul with the same FLOPs per byte (:func:`jaxpar.planner.cost.matmul_size`, here from the
   element counts of lhs, rhs and output: ``1.5·FLOPs / (L + R + E)``), or the fusion's bytes
-  at HBM bandwidth if that is longer (a roofline);
+  at HBM bandwidth if that is longer (a roofline); a dot of two FP8 operands (an FP8 GEMM,
+  :mod:`jaxpar.model.fp8`) at ``peak_flops_fp8 × fp8_matmul_share(size)``;
 * **cuDNN attention** (``__cudnn$fmha*``): ``4·B·H·Sq·Skv·D`` FLOPs forward, half of it under a
   causal mask (flash kernels skip the masked blocks), 2.5× that backward (FlashAttention-2,
   Dao 2023, §3.1: five matmuls against two), at :func:`attention_share` of peak;
@@ -35,7 +36,9 @@ bf16 matmul throughput measured on the GPU, from S. Bekman's *Machine Learning E
 "Maximum Achievable Matmul FLOPS comparison table" (BF16, v2; ``torch.matmul`` over a sweep of
 shapes, mean of 100 iterations after 50 warm-up; stas00/ml-engineering@b9e29720
 compute/accelerator/README.md): A100 SXM 271.2 of 312 TFLOP/s (86.9%), H100 SXM 794.5 of 989
-(80.3%); the H200 (the H100's SM at the same 700 W) takes the H100 SXM figure. Attention kernels
+(80.3%); the H200 (the H100's SM at the same 700 W) takes the H100 SXM figure. FP8 GEMMs on
+Hopper run at DeepGEMM's published "up to 1550 TFLOPS on H800" (deepseek-ai/DeepGEMM README;
+the H800 has the H100 SXM's compute): 78.3% of the 1979 TFLOP/s dense FP8 peak. Attention kernels
 run at the published ceiling of flash attention: FlashAttention-2 (Dao 2023, abstract: "50-73%
 of the theoretical maximum FLOPs/s on A100") 0.73 on A100, FlashAttention-3 (Shah et al. 2024,
 abstract: "FP16 reaching up to 740 TFLOPs/s (75% utilization)") 0.75 on Hopper, each under the
@@ -82,17 +85,23 @@ class Measured:
     matmul_flops: float  # the largest bf16 matmul throughput measured
     attention_share: float  # flash attention's published share of peak
     source: str
+    fp8_matmul_flops: float = 0.0  # the largest FP8 GEMM throughput published (0: no FP8)
 
 
 MAMF = (
     "Bekman, Machine Learning Engineering, 'Maximum Achievable Matmul FLOPS comparison table' "
     "(BF16 v2), stas00/ml-engineering@b9e29720 compute/accelerator/README.md"
 )
+# FP8 GEMMs on Hopper: DeepGEMM's README (deepseek-ai/DeepGEMM), "up to 1550 TFLOPS on H800"
+# for its dense FP8 GEMMs; the H800 has the H100 SXM's SMs and clocks (1979 TFLOP/s dense FP8).
+DEEPGEMM = "DeepGEMM README (H800 = H100 SXM compute: up to 1550 TFLOP/s FP8)"
 MEASURED = (
     Measured("a100", 312e12, 271.2e12, 0.73, MAMF + " (A100 SXM); FlashAttention-2 abstract"),
-    Measured("h100", 989e12, 794.5e12, 0.75, MAMF + " (H100 SXM); FlashAttention-3 abstract"),
-    Measured("h200", 989e12, 794.5e12, 0.75, MAMF + " (H100 SXM: same SM and power)"),
-)
+    Measured("h100", 989e12, 794.5e12, 0.75,
+             MAMF + " (H100 SXM); FlashAttention-3 abstract; " + DEEPGEMM, 1550e12),
+    Measured("h200", 989e12, 794.5e12, 0.75,
+             MAMF + " (H100 SXM: same SM and power); " + DEEPGEMM, 1550e12),
+)  # fmt: skip
 
 
 def measured(hw: HardwareConfig) -> Measured | None:
@@ -121,6 +130,17 @@ def matmul_share(hw: HardwareConfig, size: float) -> float:
     if m is None:
         return matmul_efficiency(hw, size)
     return min(m.matmul_flops / hw.peak_flops_bf16, _roofline(hw, size))
+
+
+def fp8_matmul_share(hw: HardwareConfig, size: float) -> float:
+    """Share of ``peak_flops_fp8`` an FP8 GEMM of ``size`` sustains: the published FP8
+    ceiling under the roofline (an FP8 operand is half a bf16 one's bytes for twice the peak,
+    so the bf16 roofline's share carries over); a GPU without a measurement takes the mesh
+    file's bf16 curve as a share of its FP8 peak."""
+    m = measured(hw)
+    if m is None or not m.fp8_matmul_flops:
+        return matmul_efficiency(hw, size)
+    return min(m.fp8_matmul_flops / hw.peak_flops_fp8, _roofline(hw, size))
 
 
 def attention_share(hw: HardwareConfig, skv: float) -> float:
@@ -263,9 +283,16 @@ class Coster:
 
     # ----------------------------------------------------------------------------- compute
 
-    def _matmul_seconds(self, flops: float, elems: float) -> float:
+    def _matmul_seconds(self, flops: float, elems: float, fp8: bool = False) -> float:
         size = 1.5 * flops / elems if elems else 1.0
+        if fp8 and self.hw.peak_flops_fp8:  # FP8 operands: the FP8 tensor cores
+            return flops / (self.hw.peak_flops_fp8 * fp8_matmul_share(self.hw, size))
         return flops / (self.hw.peak_flops_bf16 * matmul_share(self.hw, size))
+
+    def _fp8(self, ins: Instr, table: dict[str, Instr]) -> bool:
+        """Whether a dot's two operands are FP8 (an FP8 GEMM: ``jaxpar.model.fp8``)."""
+        shapes = [table[o].shape if o in table else "" for o in ins.operands[:2]]
+        return len(shapes) == 2 and all(_first(x).startswith("f8") for x in shapes)
 
     def _dots(self, comp: str, seen: tuple[str, ...] = ()) -> tuple[float, float]:
         """(FLOPs, seconds) of the dots and convolutions of ``comp`` and what it calls."""
@@ -274,7 +301,7 @@ class Coster:
         for ins in self.comps.get(comp, []):
             f, e = self._dot(ins, table)
             if f:
-                flops, secs = flops + f, secs + self._matmul_seconds(f, e)
+                flops, secs = flops + f, secs + self._matmul_seconds(f, e, self._fp8(ins, table))
             for c in callees(ins):
                 if c in self.comps and c not in seen:
                     f2, s2 = self._dots(c, (*seen, c))
@@ -305,6 +332,43 @@ class Coster:
         k = math.prod(lhs[i] for i in contracting if i < len(lhs)) if contracting else 1
         flops = 2.0 * _elems(out) * k
         return flops, float(math.prod(lhs or [0]) + math.prod(rhs or [0])) + _elems(out)
+
+    def gemms(self) -> dict[str, int]:
+        """Static count of the program's GEMM call sites by operand type (``fp8``: both
+        operands FP8, ``jaxpar.model.fp8``; else the lhs's type, e.g. ``bf16``): a ``dot`` or
+        cuBLAS call outside fused code, or a fusion whose fused code holds a dot (XLA:GPU's
+        gemm fusions). Counted like the cuDNN attention calls: once per place in the program,
+        not per execution."""
+        fused = {c for comp in self.comps.values() for i in comp if i.opcode == "fusion"
+                 for c in callees(i)}  # fmt: skip
+        counts: dict[str, int] = {}
+
+        def kind(comp: str, ins: Instr) -> str:
+            table = self.table(comp)
+            if self._fp8(ins, table):
+                return "fp8"
+            lhs = table[ins.operands[0]].shape if ins.operands[0] in table else ""
+            m = re.match(r"\(?([a-z]+[0-9a-z]*)\[", _first(lhs))
+            return m[1] if m else "unknown"
+
+        def dot_in(comp: str) -> str | None:
+            for ins in self.comps.get(comp, []):
+                if self._dot(ins, self.table(comp))[0]:
+                    return kind(comp, ins)
+            return None
+
+        for name, comp in self.comps.items():
+            if name in fused:
+                continue
+            for ins in comp:
+                k = None
+                if ins.opcode == "fusion":
+                    k = next((d for c in callees(ins) if (d := dot_in(c))), None)
+                elif self._dot(ins, self.table(name))[0]:
+                    k = kind(name, ins)
+                if k:
+                    counts[k] = counts.get(k, 0) + 1
+        return counts
 
     def _attention(self, ins: Instr, table: dict[str, Instr]) -> tuple[float, float]:
         """(FLOPs, seconds) of a cuDNN attention custom call."""
@@ -385,7 +449,7 @@ class Coster:
         flops, secs = 0.0, 0.0
         f, e = self._dot(ins, table)
         if f:
-            flops, secs = f, self._matmul_seconds(f, e)
+            flops, secs = f, self._matmul_seconds(f, e, self._fp8(ins, table))
         elif ins.opcode == "fusion":
             fused = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
             if fused:
