@@ -31,10 +31,12 @@ from jaxpar.train.step import Trainer
 
 
 def _q(t, axes, dtype):
-    """The recipe's quantization in numpy terms: scale = amax over ``axes`` / format max."""
+    """The recipe's quantization in numpy terms: scale = the power of two at or above the
+    amax over ``axes`` / format max."""
     t = np.asarray(t, np.float32)
     amax = np.max(np.abs(t), axis=axes, keepdims=True)
-    s = np.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0).astype(np.float32)
+    ratio = np.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+    s = (2.0 ** np.ceil(np.log2(ratio))).astype(np.float32)  # the power of two at or above
     q = np.asarray(jnp.asarray(np.clip(t / s, -jnp.finfo(dtype).max, jnp.finfo(dtype).max))
                    .astype(dtype).astype(jnp.float32))  # fmt: skip
     return q * s  # the dequantized operand: its product equals the scaled FP8 product
@@ -71,10 +73,11 @@ def test_product_and_gradients_follow_the_recipe(recipe):
 def test_tensorwise_scale_spans_the_dp_rows():
     """Inside the manual dp region each rank holds some rows; the tensorwise scale is the max
     over all of them (a pmax over dp), so the product equals the unsharded one. Taken per rank
-    it would not (the rows here differ in magnitude by 100x)."""
+    it would not: the rows here differ in magnitude by 1e5, so with the whole tensor's scale the
+    small rows fall among e4m3's subnormals (a power-of-two scale alone changes no mantissa)."""
     r = fp8.RECIPES["tensorwise"]
     mesh = jax.make_mesh((2,), ("dp",), devices=jax.devices()[:2])
-    rows = jnp.array([1.0, 1, 100, 100])[:, None, None]
+    rows = jnp.array([1.0, 1, 1e5, 1e5])[:, None, None]
     x = jax.random.normal(jax.random.key(1), (4, 8, 16)) * rows
     w = jax.random.normal(jax.random.key(2), (16, 8))
     whole = fp8.tensordot(x, w, 1, r)
@@ -91,21 +94,23 @@ def test_tensorwise_scale_spans_the_dp_rows():
         local = np.asarray(sharded())
     finally:
         fp8._batch_axes = real
-    assert np.abs(local[:2] - np.asarray(whole)[:2]).max() > 1e-3
+    small = np.asarray(whole)[:2]
+    assert np.abs(local[:2] - small).max() > 0.05 * np.abs(small).max()
 
 
 # ---- every layout equals one device --------------------------------------------------------
 
 # (recipe, layout, tolerance on max|g - ref| / max|ref| per leaf): ZeRO-3 with the selective
-# policy (the scales kept, operands re-quantized), Megatron TP + SP, a pipeline with dp, and a
-# 3-D pipeline with ZeRO-3; the reference is one device with the same micro-batches (a scale is
-# per micro-batch).
+# policy (the scales kept, operands re-quantized), Megatron TP + SP, a zero-bubble pipeline with
+# dp (its W pieces take the FP8 GEMMs' weight gradients apart), and a 3-D pipeline with ZeRO-3;
+# the reference is one device with the same micro-batches (a scale is per micro-batch).
 CASES = {
     "tensorwise_dp2_zero3_selective": ("tensorwise", dict(dp=2, zero=3, remat="selective"), 1e-5),
     "tensorwise_tp2_sp": ("tensorwise", dict(tp=2, sequence_parallel=True), 2e-2),
-    "tensorwise_dp2_pp2_m2": ("tensorwise", dict(dp=2, pp=2, microbatches=2), 1e-5),
+    "tensorwise_dp2_pp2_zbh1_m2": ("tensorwise", dict(dp=2, pp=2, microbatches=2,
+                                                  schedule="zb-h1"), 1e-5),
     "rowwise_dp2_tp2_pp2_zero3_m2": ("rowwise", dict(dp=2, tp=2, pp=2, zero=3, microbatches=2),
-                                     1e-3),
+                                     2e-2),
 }  # fmt: skip
 
 _GRADS: dict = {}

@@ -2,8 +2,11 @@
 
 A recipe quantizes both operands of every GEMM of the attention projections and the MLP —
 the forward's ``y = x·W``, and the backward's ``dx = dy·Wᵀ`` and ``dW = xᵀ·dy`` — to an FP8
-format with fp32 scales, multiplies the FP8 values with fp32 accumulation and rescales the
-product: ``y = (q(x)·q(W)) · s_x · s_W``, ``q(t) = clip(t / s_t)`` cast to FP8. The product is
+format with fp32 scales, multiplies the FP8 values with fp32 accumulation into the compute
+dtype and rescales the product: ``y = (q(x)·q(W)) · s_x · s_W``, ``q(t) = clip(t / s_t)`` cast
+to FP8. Scales are powers of two (the smallest at or above ``amax / format max``, as MXFP8's
+E8M0 scales): dividing by one and rescaling the product are exact, so the only roundings are
+FP8's and the product's into the compute dtype. The product is
 an FP8 ``dot`` in the program (``f8e4m3fn``/``f8e5m2`` operands, ``f32`` result), which XLA:GPU
 runs on Hopper's FP8 tensor cores and XLA:CPU emulates exactly (the FP8 values are products of
 small integers and powers of two, fp32 accumulation), so a CPU run has the GPU's numerics.
@@ -46,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.model.names import fp8_scale
-from jaxpar.sharding import active_rules
+from jaxpar.sharding import active_rules, constrain
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -84,14 +87,14 @@ def _batch_axes() -> tuple[str, ...]:
 
 
 def _scale(t: jax.Array, dtype: Any, axes: tuple[int, ...], batch: bool) -> jax.Array:
-    """fp32 scale ``amax / max(dtype)`` of ``t`` reduced over ``axes`` (kept as size-1 dims);
-    ``batch``: the reduced axes include the batch rows (a pmax over the dp axes). An all-zero
-    row gets scale 1 (its quantized values are zeros whatever the scale)."""
+    """fp32 scale of ``t`` reduced over ``axes`` (kept as size-1 dims): the power of two at or
+    above ``amax / max(dtype)``; ``batch``: the reduced axes include the batch rows (a pmax
+    over the dp axes). An all-zero row gets scale 1 (its quantized values are zeros)."""
     amax = jnp.max(jnp.abs(t), axis=axes, keepdims=True).astype(jnp.float32)
     if batch and (dp := _batch_axes()):
         amax = jax.lax.pmax(amax, dp)  # a small all-reduce (max) over dp: the tensor's amax
-    fmax = float(jnp.finfo(dtype).max)
-    return jnp.where(amax > 0, amax / fmax, 1.0)
+    mant, exp = jnp.frexp(amax / float(jnp.finfo(dtype).max))  # mant in [0.5, 1)
+    return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exp - (mant == 0.5)), 1.0)
 
 
 def _quantize(t: jax.Array, s: jax.Array, dtype: Any) -> jax.Array:
@@ -100,9 +103,13 @@ def _quantize(t: jax.Array, s: jax.Array, dtype: Any) -> jax.Array:
     return jnp.clip(t.astype(jnp.float32) / s, -fmax, fmax).astype(dtype)
 
 
-def _dot(a: jax.Array, b: jax.Array, ca: tuple[int, ...], cb: tuple[int, ...]) -> jax.Array:
-    """The FP8 GEMM: ``a`` and ``b`` contracted over ``ca``/``cb``, fp32 accumulation."""
-    return jax.lax.dot_general(a, b, ((ca, cb), ((), ())), preferred_element_type=jnp.float32)
+def _dot(a: jax.Array, b: jax.Array, ca: tuple[int, ...], cb: tuple[int, ...], out: Any
+         ) -> jax.Array:  # fmt: skip
+    """The FP8 GEMM: ``a`` and ``b`` contracted over ``ca``/``cb`` (fp32 accumulation) into
+    ``out`` (the compute dtype). A product whose contraction is split over tp is a partial sum
+    that GSPMD reduces at the dot's output: in ``out``, as the bf16 GEMMs' (an fp32 output
+    all-reduced the whole fp32 activation: llama3-8b tp 8 + SP, 1.8x the tp wire bytes)."""
+    return jax.lax.dot_general(a, b, ((ca, cb), ((), ())), preferred_element_type=out)
 
 
 def _squeeze(s: jax.Array, axes: tuple[int, ...]) -> jax.Array:
@@ -117,16 +124,46 @@ def _outer(sa: jax.Array, sb: jax.Array, nb: int) -> jax.Array:
     return sa.reshape(sa.shape + (1,) * nb) * sb
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def tensordot(x: jax.Array, w: jax.Array, n: int, recipe: Recipe) -> jax.Array:
+# The residual stream's layout and a column-parallel matmul's input layout (jaxpar.model.layers:
+# gather_sequence): under Megatron-SP the first has the sequence on tp too.
+_STREAM, _GATHERED = ("batch", "act_seq", "embed"), ("batch", "seq", "embed")
+
+
+def _gather(q: jax.Array) -> jax.Array:
+    """An FP8 operand from the residual stream's layout to the whole sequence: under
+    Megatron-SP an all-gather over tp of FP8 values (half a bf16 gather's bytes), else a no-op.
+    The first constraint keeps the quantization on the sequence shard."""
+    return constrain(constrain(q, _STREAM), _GATHERED)
+
+
+def _scatter(y: jax.Array) -> jax.Array:
+    """A product's partial sums over tp onto the residual stream's layout, at the dot's output
+    (before any rescaling, which GSPMD would otherwise precede with an all-reduce of the whole
+    activation): under Megatron-SP a reduce-scatter, else the all-reduce of the partial sums."""
+    return constrain(y, _STREAM)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def tensordot(x: jax.Array, w: jax.Array, n: int, recipe: Recipe, stream: str = ""
+              ) -> jax.Array:  # fmt: skip
     """``jnp.tensordot(x, w, n)`` (``x``'s last ``n`` axes against ``w``'s first ``n``) as an
-    FP8 GEMM of ``recipe``, in ``x``'s dtype; ``x``'s leading axes are batch and sequence."""
-    return _forward(x, w, n, recipe)[0]
+    FP8 GEMM of ``recipe``, in ``x``'s dtype; ``x``'s leading axes are batch and sequence.
+
+    ``stream``: where the residual stream's layout (``[B, S, D]``, under Megatron-SP the
+    sequence on tp) meets the product. ``"in"``: ``x`` is the stream (a column-parallel
+    matmul's input); it is quantized on its sequence shard and its FP8 values gathered (forward,
+    and again for the weight gradient), and ``dx`` is reduce-scattered back at its dot.
+    ``"out"``: the output goes to the stream (a row-parallel matmul): reduce-scattered at the
+    dot, and the incoming gradient is quantized on its shard and gathered as FP8 for both
+    backward GEMMs. ``""``: no layout change. An FP8 gather moves half a bf16 one's bytes."""
+    return _forward(x, w, n, recipe, stream)[0]
 
 
-def _forward(x, w, n, recipe):
+def _forward(x, w, n, recipe, stream):
     cx = tuple(range(x.ndim - n, x.ndim))  # contracted: x's trailing n, w's leading n
     cw = tuple(range(n))
+    if stream == "in":
+        x = constrain(x, _STREAM)
     if recipe.rowwise:  # x per row (its lead axes), w per column (its trailing axes)
         sx, sw = _scale(x, E4M3, cx, batch=False), _scale(w, E4M3, cw, batch=False)
         s = _outer(_squeeze(sx, cx), _squeeze(sw, cw), w.ndim - n)
@@ -135,34 +172,44 @@ def _forward(x, w, n, recipe):
         sw = jnp.squeeze(_scale(w, E4M3, tuple(range(w.ndim)), batch=False))  # scalars
         s = sx * sw
     sx, sw = fp8_scale(sx), fp8_scale(sw)
-    y = _dot(_quantize(x, sx, E4M3), _quantize(w, sw, E4M3), cx, cw) * s
-    return y.astype(x.dtype), (x, w, sx, sw)
+    qx = _quantize(x, sx, E4M3)
+    y = _dot(_gather(qx) if stream == "in" else qx, _quantize(w, sw, E4M3), cx, cw, x.dtype)
+    if stream == "out":
+        y = _scatter(y)
+    return (y * s).astype(x.dtype), (x, w, sx, sw)
 
 
-def _tensordot_fwd(x, w, n, recipe):
-    return _forward(x, w, n, recipe)
+def _tensordot_fwd(x, w, n, recipe, stream):
+    return _forward(x, w, n, recipe, stream)
 
 
-def _tensordot_bwd(n, recipe, res, dy):
+def _tensordot_bwd(n, recipe, stream, res, dy):
     x, w, sx, sw = res
     lead = x.ndim - n  # batch and sequence (and any other non-contracted axes of x)
     dlead, dout = tuple(range(lead)), tuple(range(lead, dy.ndim))  # dy's axes
     wout = tuple(range(n, w.ndim))  # w's output axes (dy's trailing ones)
     g = recipe.grad_dtype
+    gx = _gather if stream == "in" else (lambda q: q)  # x's FP8 values to the whole sequence
+    gdy = _gather if stream == "out" else (lambda q: q)  # dy's
+    sdx = _scatter if stream == "in" else (lambda t: t)  # dx's partial sums to the stream
+    if stream == "out":
+        dy = constrain(dy, _STREAM)
     if recipe.rowwise:
         # dx = dy·Wᵀ contracts the output axes: dy per row, W per input row (over its outputs).
         sdy_r, sw_r = _scale(dy, g, dout, batch=False), _scale(w, E4M3, wout, batch=False)
-        dx = _dot(_quantize(dy, sdy_r, g), _quantize(w, sw_r, E4M3), dout, wout)
+        dx = sdx(_dot(gdy(_quantize(dy, sdy_r, g)), _quantize(w, sw_r, E4M3), dout, wout,
+                      x.dtype))  # fmt: skip
         dx = dx * _outer(_squeeze(sdy_r, dout), _squeeze(sw_r, wout), n)
         # dW = xᵀ·dy contracts batch and sequence (split over dp): per column of each.
         sx_c, sdy_c = _scale(x, E4M3, dlead, batch=True), _scale(dy, g, dlead, batch=True)
-        dw = _dot(_quantize(x, sx_c, E4M3), _quantize(dy, sdy_c, g), dlead, dlead)
+        qx, qdy = gx(_quantize(x, sx_c, E4M3)), gdy(_quantize(dy, sdy_c, g))
+        dw = _dot(qx, qdy, dlead, dlead, w.dtype)
         dw = dw * _outer(_squeeze(sx_c, dlead), _squeeze(sdy_c, dlead), w.ndim - n)
     else:
         sdy = jnp.squeeze(_scale(dy, g, tuple(range(dy.ndim)), batch=True))
-        qdy = _quantize(dy, sdy, g)
-        dx = _dot(qdy, _quantize(w, sw, E4M3), dout, wout) * (sdy * sw)
-        dw = _dot(_quantize(x, sx, E4M3), qdy, dlead, dlead) * (sx * sdy)
+        qdy = gdy(_quantize(dy, sdy, g))
+        dx = sdx(_dot(qdy, _quantize(w, sw, E4M3), dout, wout, x.dtype)) * (sdy * sw)
+        dw = _dot(gx(_quantize(x, sx, E4M3)), qdy, dlead, dlead, w.dtype) * (sx * sdy)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

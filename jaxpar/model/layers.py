@@ -106,10 +106,11 @@ def column_parallel(x_BxSxD: jax.Array, w_DxN: jax.Array, matmul=project) -> jax
     the plain product used without it (the GELU MLP's is JAX's own, whose residuals the
     planner's remat terms count).
 
-    Under an FP8 recipe (``layout.fp8``) the product is :func:`jaxpar.model.fp8.tensordot` on
-    the gathered ``x`` (Megatron-SP's all-gather as GSPMD places it, not the ring)."""
+    Under an FP8 recipe (``layout.fp8``) the product is :func:`jaxpar.model.fp8.tensordot`,
+    which quantizes ``x`` on its sequence shard and gathers the FP8 values (Megatron-SP's
+    all-gather at half the bytes, placed by GSPMD: not the ring)."""
     if (recipe := fp8.active()) is not None:
-        return fp8.tensordot(gather_sequence(x_BxSxD), w_DxN, 1, recipe)
+        return fp8.tensordot(x_BxSxD, w_DxN, 1, recipe, "in")
     ax = cm.axes(x_BxSxD.shape[1])
     if ax is None:
         return matmul(gather_sequence(x_BxSxD), w_DxN)
@@ -126,10 +127,11 @@ def row_parallel(h: jax.Array, w: jax.Array, n: int) -> jax.Array:
     Megatron-SP (tp > 1) the collective matmul instead
     (:func:`jaxpar.model.collective_matmul.row_parallel`: the reduce-scatter as a ring whose
     accumulator travels while each rank multiplies its next chunk). Under an FP8 recipe the
-    product is :func:`jaxpar.model.fp8.tensordot`, scattered as the plain path's (its output
-    named, as the ring's, for the policies that keep dot outputs: its dot is inside a VJP)."""
+    product is :func:`jaxpar.model.fp8.tensordot`, reduce-scattered at its dot and its
+    cotangent gathered as FP8 (its output named, as the ring's, for the policies that keep dot
+    outputs: its dot is inside a VJP)."""
     if (recipe := fp8.active()) is not None:
-        return scatter_sequence(projected(fp8.tensordot(h, w, n, recipe)))
+        return projected(fp8.tensordot(h, w, n, recipe, "out"))
     ax = cm.axes(h.shape[1])
     if ax is None:
         return scatter_sequence(jnp.tensordot(h, w, n))
