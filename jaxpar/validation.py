@@ -389,7 +389,7 @@ def check_layout(
         )
     _check_heads(m, lay)
     _check_moe_layout(m, lay)
-    _check_fp8(m, lay)
+    check_fp8(m, lay)
     if m.n_layers % (lay.pp * lay.virtual):
         raise ConfigError(
             f"model.n_layers={m.n_layers}: must be divisible by pp*virtual="
@@ -466,7 +466,7 @@ def _check_ragged_slots(m: ModelConfig, lay: LayoutConfig, global_batch: int, se
         )
 
 
-def _check_fp8(m: ModelConfig, lay: LayoutConfig) -> None:
+def check_fp8(m: ModelConfig, lay: LayoutConfig) -> None:
     """``layout.fp8``: a known recipe, on bf16 compute, for dense models."""
     from jaxpar.model.fp8 import NAMES
 

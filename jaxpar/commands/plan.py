@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         _, typ, text = FLAGS[name]
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
                        help=text + " (costs that exact layout)")  # fmt: skip
+    _, typ, text = FLAGS["fp8"]
+    p.add_argument("--fp8", dest="fp8", type=typ, default=None,
+                   help=text + "; every layout searched, or the given one, with it")  # fmt: skip
     p.add_argument("--sequence-parallel", action="store_true", default=None,
                    help="Megatron sequence parallelism over tp (given layout)")  # fmt: skip
     p.add_argument(
@@ -92,7 +95,13 @@ def run(args: argparse.Namespace) -> int:
         C.override(cfg, "train.seq_len", args.seq)
     if args.devices is not None:
         C.override(cfg, "mesh.devices", args.devices)
+    if args.fp8 is not None:  # a precision for the search or the given layout alike
+        C.override(cfg, "layout.fp8", args.fp8)
+        if args.fp8 != "none":
+            C.override(cfg, "layout.compute_dtype", "bfloat16")
     V.check_values(cfg)  # model, hardware and batch figures, before any search
+    V.check_fp8(cfg.model, cfg.layout)
+    V.check_fp8_device(cfg.layout.fp8, cfg.mesh.hardware.platform, cfg.mesh.hardware.gpu)
     stated = {"global_batch": args.global_batch, "seq_len": args.seq}
     sources = {k: "command line" for k, v in stated.items() if v is not None}
     given = [n for n in LAYOUT_FLAGS if getattr(args, n) is not None]
@@ -102,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     if given or args.layout_from_mesh:
         if not args.layout_from_mesh:
             # a given layout starts from the defaults, not from the mesh file's layout
-            cfg.mesh.layout = C.LayoutConfig(dp=1, tp=1, compute_dtype=_dtype(cfg))
+            cfg.mesh.layout = C.LayoutConfig(dp=1, tp=1, compute_dtype=_dtype(cfg),
+                                             fp8=cfg.layout.fp8)  # fmt: skip
         for n in given:
             C.override(cfg, f"layout.{n}", getattr(args, n) if n != "sequence_parallel" else True)
         result = cost_layout(cfg, given=sources)

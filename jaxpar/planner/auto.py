@@ -28,7 +28,7 @@ FLAG_OF = {
     "microbatches": "--microbatches", "schedule": "--schedule", "virtual": "--virtual",
     "pipeline_memory": "--pipeline-memory", "sp_mode": "--sp-mode", "remat": "--remat",
     "offload": "--offload", "compute_dtype": "--compute-dtype", "ep": "--ep", "dp_shard": None,
-    "sequence_parallel": None, "param_dtype": None, "reduce_dtype": None,
+    "sequence_parallel": None, "param_dtype": None, "reduce_dtype": None, "fp8": "--fp8",
 }  # fmt: skip
 
 

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 from jaxpar.analysis import theory as T
 from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
+from jaxpar.planner import fp8 as F8
 from jaxpar.planner import moe as MOE
 from jaxpar.planner.activations import kv_heads_local
 from jaxpar.planner.collectives import call_time, combined_calls
@@ -87,6 +88,11 @@ class CommTerm:
         return {**asdict(self), "exposed_s": self.exposed_s}
 
 
+def _tokens(lay: LayoutConfig, shape: Shape) -> float:
+    """A micro-batch's local tokens on one device (before Megatron-SP's split)."""
+    return (shape.microbatch_size(lay) or 1) * shape.seq / lay.sp
+
+
 def _link(hw: HardwareConfig, stride: int, size: int) -> str:
     return "inter" if crosses_nodes(hw, stride, size) else "intra"
 
@@ -114,10 +120,15 @@ def tp_calls(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: S
     if lay.tp == 1:
         return Calls()
     b = shape.microbatch_size(lay) or 1
-    buf = b * shape.seq / lay.sp * model.d_model * DTYPE_BYTES[lay.compute_dtype]
+    elems = b * shape.seq / lay.sp * model.d_model
+    buf = elems * DTYPE_BYTES[lay.compute_dtype]
     r, full = T.ring_factor(lay.tp), lay.remat == "full"
+    amax = F8.amax_calls(model, lay, b * shape.seq / lay.sp).get("tp", F8.AmaxCalls())
+    scale = ("all-reduce", 2 * amax.bytes * r)  # FP8 scales' max over tp (jaxpar.planner.fp8)
     if lay.sequence_parallel:
-        gather, scatter = ("all-gather", buf * r), ("reduce-scatter", buf * r)
+        # under FP8 the gathers move FP8 values (jaxpar.model.fp8), the reduce-scatters not
+        gather = ("all-gather", elems * F8.gather_bytes(lay, DTYPE_BYTES[lay.compute_dtype]) * r)
+        scatter = ("reduce-scatter", buf * r)
         fwd = [gather, scatter] * 2
         # backward: dx's reduce-scatters, dy's all-gathers, and the inputs gathered again
         # (by the full recompute, counted as the forward repeated, when there is one)
@@ -127,6 +138,7 @@ def tp_calls(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: S
         fwd = [("all-reduce", 2 * buf * r)] * 2
         bwd = fwd[:1] if full else fwd  # the recompute's second all-reduce is dead
         kind = "all-reduce"
+    fwd, bwd = fwd + [scale] * amax.fwd, bwd + [scale] * amax.bwd
     f, b = _calls(hw, fwd, lay.tp, 1), _calls(hw, bwd, lay.tp, 1)
     return Calls(f[0], b[0], f[1], b[1], len(fwd), len(bwd), f[2], b[2], _link(hw, 1, lay.tp),
                  f[3], kind)  # fmt: skip
@@ -250,6 +262,11 @@ def dp_terms(model, hw, lay, shape, lt: LayerTime, ex: Executor) -> list[CommTer
     else:
         out = _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex)
     groups = lay.dp // n
+    if (amax := F8.amax_calls(model, lay, _tokens(lay, shape)).get("dp")) is not None:
+        # each FP8 operand's scale, a max over the dp rows: on the critical path
+        calls, wire = m * layers * (amax.fwd + amax.bwd), 2 * amax.bytes * T.ring_factor(lay.dp)
+        out.append(_term(hw, "FP8 scale all-reduce (max)", "all-reduce", wire, calls, lay.dp,
+                         stride, 0.0))  # fmt: skip
     if groups > 1 and lay.ep > 1:  # non-expert gradients all-reduced over ep once
         wire = 2 * (pc.sharded - pc.experts_sharded) * wr * T.ring_factor(groups)
         out.append(_term(hw, "non-expert all-reduce over ep", "all-reduce", wire, 1, groups,

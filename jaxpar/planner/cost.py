@@ -28,6 +28,8 @@ of ``b`` sequences of ``s`` tokens per dp rank, ``tokens = b·s/sp`` local token
 * **Host transfers**: offloaded optimizer/params and activations over ``host_to_device_bw``.
 * **Pipeline tick weights** (jaxpar's executor): each tick casts its chunk's weights and the
   backward adds its gradient into the fp32 accumulator (:func:`tick_weights`).
+* **FP8** (``layout.fp8``): the weight matmuls at the FP8 peak, their operands' quantization,
+  FP8 gathers and the scale all-reduces (:mod:`jaxpar.planner.fp8`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.planner import comm as CM
+from jaxpar.planner import fp8 as F8
 from jaxpar.planner import moe as MOE
 from jaxpar.planner import traffic as TR
 from jaxpar.planner.activations import block_residuals, kv_heads_local
@@ -89,10 +92,12 @@ def matmul_size(m: float, k: float, n: float) -> float:
     return 3 * m * k * n / (m * k + k * n + m * n)
 
 
-def _matmul(hw: HardwareConfig, m: float, k: float, n: float) -> tuple[float, float]:
-    """(seconds, FLOPs) of an [m, k] @ [k, n] matmul."""
+def _matmul(hw: HardwareConfig, m: float, k: float, n: float, peak: float | None = None
+            ) -> tuple[float, float]:  # fmt: skip
+    """(seconds, FLOPs) of an [m, k] @ [k, n] matmul against ``peak`` (default: bf16's)."""
     flops = 2 * m * k * n
-    return flops / (hw.peak_flops_bf16 * matmul_efficiency(hw, matmul_size(m, k, n))), flops
+    peak = peak or hw.peak_flops_bf16
+    return flops / (peak * matmul_efficiency(hw, matmul_size(m, k, n))), flops
 
 
 def memory_bound_bw(hw: HardwareConfig, share: float | None = None) -> float:
@@ -128,13 +133,14 @@ def layer_time(
     kv = kv_heads_local(model, lay) * hd
     ff = model.d_ff / t * (2 if model.mlp == "swiglu" else 1)
     mats = [(tokens, d, q + 2 * kv), (tokens, q, d), (tokens, d, ff), (tokens, model.d_ff / t, d)]
-    secs, flops = zip(*(_matmul(hw, *x) for x in mats), strict=True)
-    eff = sum(flops) / sum(secs) / hw.peak_flops_bf16
+    peak = F8.gemm_peak(hw, lay)  # FP8's under layout.fp8 (jaxpar.planner.fp8)
+    secs, flops = zip(*(_matmul(hw, *x, peak) for x in mats), strict=True)
+    eff = sum(flops) / sum(secs) / peak
     attn = _attention(model, hw, lay, ex, tokens, s, q, mem_bw)
     res = block_residuals(model, lay, s, "blockwise", "none")
     wc = DTYPE_BYTES[lay.compute_dtype]
     act_bytes = res.bytes(tokens, wc) - res.weights * wc
-    elementwise = ex.elementwise_passes * act_bytes / mem_bw
+    elementwise = (ex.elementwise_passes * act_bytes + F8.quant_bytes(model, lay, tokens)) / mem_bw
     recompute = 0.0  # forward work the backward re-runs
     compute = sum(secs) + attn + elementwise
     if lay.remat == "full":
@@ -146,8 +152,8 @@ def layer_time(
     tp, sp = CM.tp_calls(model, hw, lay, shape), CM.sp_calls(model, hw, lay, shape)
     # the collective matmul's rings hide a share of the tp calls inside one node
     # (frameworks.RING_HIDDEN: across nodes a ring step's send outlasts its chunk matmul)
-    ring = 0.0
-    if lay.sequence_parallel and lay.tp > 1 and not crosses_nodes(hw, 1, lay.tp):
+    ring = 0.0  # (no rings under FP8: GSPMD places its FP8 gathers)
+    if lay.sequence_parallel and lay.tp > 1 and not crosses_nodes(hw, 1, lay.tp) and not F8.on(lay):
         ring = ex.ring_hidden
     return LayerTime(compute=compute, matmul=sum(secs) + attn, attention=attn, tp=tp, sp=sp,
                      efficiency=eff, recompute=recompute, overlap_tp=ex.overlap_tp,

@@ -146,6 +146,7 @@ def layout_text(lay: dict) -> str:
         f"dp={lay['dp']} tp={lay['tp']}{sp} pp={lay['pp']} sp={lay['sp']} zero={lay['zero']}"
         f"{extra} micro-batch {lay['microbatch_size']}×{lay['microbatches']} "
         f"remat={lay['remat']} offload={lay['offload']}"
+        + (f" fp8={lay['fp8']}" if lay.get("fp8", "none") != "none" else "")
     )
 
 

@@ -126,12 +126,13 @@ def check_workload(cfg: C.RunConfig) -> Shape:
 def rank_layouts(cfg: C.RunConfig) -> Ranking:
     """Search ``cfg.model`` on ``cfg.mesh`` at ``cfg.train``'s workload: the best layout of
     each (dp, tp, pp, sp, schedule, ep) split that fits, ranked by step time (what ``plan``,
-    ``--emit-flags`` and ``--layout auto`` share)."""
+    ``--emit-flags`` and ``--layout auto`` share), with ``cfg.layout.fp8``'s recipe."""
     shape = check_workload(cfg)
     groups: dict[tuple, S.Candidate] = {}
     evaluated = 0
     counter: dict[str, int] = {}
-    for c in S.candidates(cfg.model, cfg.mesh.hardware, cfg.mesh.devices, shape, counter=counter):
+    for c in S.candidates(cfg.model, cfg.mesh.hardware, cfg.mesh.devices, shape, counter=counter,
+                          fp8=cfg.layout.fp8):  # fmt: skip
         evaluated += 1
         lay = c.layout
         key = (lay.dp, lay.tp, lay.pp, lay.sp, lay.sp_mode, lay.schedule, lay.virtual,
@@ -187,7 +188,7 @@ def plan(cfg: C.RunConfig, top: int = 3, given: dict[str, str] | None = None) ->
     r = rank_layouts(cfg)
     shape, ranked = r.shape, r.ranked
     sources = workload_sources(cfg, given)
-    base_lay, rule = S.baseline_layout(model, hw, n, shape)
+    base_lay, rule = S.baseline_layout(model, hw, n, shape, cfg.layout.fp8)
     base = S.evaluate(model, hw, base_lay, shape) if base_lay else None
     head = f"{model.name} ({params_text(model)}) on {cfg.mesh.name} "
     head += f"({n} devices), global batch {shape.global_batch} × {shape.seq} tokens"

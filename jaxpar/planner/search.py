@@ -91,7 +91,7 @@ class Candidate:
 def layout_dict(lay: LayoutConfig, shape: M.Shape) -> dict:
     """The ``layout`` JSON object."""
     keys = ("dp", "tp", "pp", "sp", "zero", "virtual", "microbatches", "remat", "offload",
-            "sequence_parallel", "dp_shard", "ep")  # fmt: skip
+            "sequence_parallel", "dp_shard", "ep", "fp8")  # fmt: skip
     out = {k: getattr(lay, k) for k in keys}
     out["schedule"] = lay.schedule if lay.pp > 1 else None
     out["pipeline_memory"] = lay.pipeline_memory if lay.pp > 1 else None
@@ -168,8 +168,10 @@ def ep_sizes(model: ModelConfig, dp: int) -> list[int]:
 
 
 def base_layout(hw: HardwareConfig, tp: int, sp: int, pp: int, dp: int, **kw) -> LayoutConfig:
-    """A layout of this split with the platform's compute dtype and fp32 reductions."""
-    dtype = "bfloat16" if hw.platform == "gpu" else "float32"
+    """A layout of this split with the platform's compute dtype (bf16 under an FP8 recipe)
+    and fp32 reductions."""
+    fp8 = kw.get("fp8", "none") != "none"
+    dtype = "bfloat16" if hw.platform == "gpu" or fp8 else "float32"
     fields = dict(dp=dp, tp=tp, pp=pp, sp=sp, zero=0, compute_dtype=dtype,
                   reduce_dtype="float32", sequence_parallel=tp > 1)  # fmt: skip
     return LayoutConfig(**{**fields, **kw})  # one construction: the search makes ~10^5
@@ -204,10 +206,11 @@ def candidates(
     n: int,
     shape: M.Shape,
     counter: dict[str, int] | None = None,
+    fp8: str = "none",
 ) -> Iterator[Candidate]:
-    """Every runnable layout that fits (per the pruning rules). ``counter['costed']`` counts
-    the layouts whose memory was costed, ``counter['refused']`` those ``check_layout``
-    refused."""
+    """Every runnable layout that fits (per the pruning rules), each with the FP8 recipe
+    ``fp8``. ``counter['costed']`` counts the layouts whose memory was costed,
+    ``counter['refused']`` those ``check_layout`` refused."""
     counter = {} if counter is None else counter
     counter.setdefault("costed", 0)
     counter.setdefault("refused", 0)
@@ -219,10 +222,11 @@ def candidates(
             lean = _leanest(model, hw, shape, tp, sp, pp, dp, n, ep)
             if lean is None or lean[1]["total"] > room:
                 continue
-            yield from _split_candidates(model, hw, shape, n, (tp, sp, pp, dp, ep), counter)
+            yield from _split_candidates(model, hw, shape, n, (tp, sp, pp, dp, ep), counter,
+                                         fp8)  # fmt: skip
 
 
-def _split_candidates(model, hw, shape, n, split, counter) -> Iterator[Candidate]:
+def _split_candidates(model, hw, shape, n, split, counter, fp8="none") -> Iterator[Candidate]:
     """The candidates of one (tp, sp, pp, dp, ep) split: micro-batch size, pipe choice, sp
     mode and ZeRO stage, each with its first fitting remat/offload."""
     tp, sp, pp, dp, ep = split
@@ -232,7 +236,8 @@ def _split_candidates(model, hw, shape, n, split, counter) -> Iterator[Candidate
             for sp_mode in ("ulysses", "ring") if sp > 1 else ("ulysses",):
                 for zero in (0, 1, 2, 3) if dp > 1 else (0,):
                     kw = dict(zero=zero, microbatches=per_dp // b, schedule=kind, virtual=v,
-                              pipeline_memory=pipe_mem, sp_mode=sp_mode, ep=ep)  # fmt: skip
+                              pipeline_memory=pipe_mem, sp_mode=sp_mode, ep=ep,
+                              fp8=fp8)  # fmt: skip
                     yield from _first_fitting(model, hw, shape, n, tp, sp, pp, dp, kw, counter)
 
 
@@ -265,11 +270,12 @@ def smallest_shortfall(model: ModelConfig, hw: HardwareConfig, n: int, shape: M.
 
 
 def baseline_layout(
-    model: ModelConfig, hw: HardwareConfig, n: int, shape: M.Shape
+    model: ModelConfig, hw: HardwareConfig, n: int, shape: M.Shape, fp8: str = "none"
 ) -> tuple[LayoutConfig | None, str]:
     """The rule of thumb: pure DP if the model states (16Ψ as jaxpar stores them) fit one
     device; TP = one node if they fit a node; else TP = one node + the fewest pipeline stages
-    that fit + DP over the rest (1F1B, micro-batch 1, ZeRO-1). Remat: first that fits.
+    that fit + DP over the rest (1F1B, micro-batch 1, ZeRO-1). Remat: first that fits. With
+    the FP8 recipe ``fp8``, as the search's candidates.
     Returns (layout, rule applied) or (None, why the rule gives no layout)."""
     room, psi = usable(hw), model.param_count()
     node = min(hw.devices_per_node, n)
@@ -295,7 +301,7 @@ def baseline_layout(
     lay = None
     for remat in REMATS:
         lay = base_layout(hw, tp, 1, pp, dp, zero=1 if dp > 1 and tp > 1 else 0,
-                          microbatches=m, remat=remat)  # fmt: skip
+                          microbatches=m, remat=remat, fp8=fp8)  # fmt: skip
         if not runnable(model, lay, shape, n):
             return None, f"the rule's layout is refused: {_refusal(model, lay, shape, n)}"
         if evaluate(model, hw, lay, shape).fits:

@@ -1,0 +1,100 @@
+"""What an FP8 recipe (``layout.fp8``, :mod:`jaxpar.model.fp8`) changes in the planner's step.
+
+* **GEMMs**: the four weight matmuls of a layer, forward and backward, run on the FP8 tensor
+  cores: their FLOPs at ``peak_flops_fp8`` × the same share of peak the mesh file's curve gives
+  a bf16 matmul of that size (the published ceilings agree: 1550 of 1979 TFLOP/s FP8 against
+  794.5 of 989 bf16 on the H100 SXM, 78% and 80%: :mod:`jaxpar.gpu.costs`). A GPU without
+  ``peak_flops_fp8`` (the CPU emulates; an A100 is refused) prices them as bf16.
+* **Quantization** (memory-bound): every GEMM operand is reduced to its amax, then read again
+  and written as FP8 (5 bytes per bf16 element: :data:`QUANT_BYTES`). The forward quantizes the
+  four activation inputs (the residual stream on its sequence shard under Megatron-SP) and the
+  four weights every micro-batch; the backward's (its incoming gradients, the saved inputs
+  again) is in the planner's 2 × forward.
+* **Megatron-SP's gathers move FP8**: the column-parallel inputs (forward, and again for the
+  weight gradients) and the row-parallel outputs' gradients are gathered as FP8, one byte per
+  element; the reduce-scatters stay in the compute dtype. The collective matmul's rings are not
+  used under FP8 (GSPMD places the gathers), so none of the tp calls hide behind a ring.
+* **Amax collectives** (:func:`amax_calls`): small all-reduces (max) per layer and micro-batch,
+  latency-bound and on the critical path (each GEMM waits for its operand's scale).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
+from jaxpar.planner.activations import kv_heads_local
+
+QUANT_BYTES = 5.0  # per bf16 element quantized: the amax reads it, the cast reads and writes
+SCALE_BYTES = 4.0  # an fp32 scale
+
+
+def on(lay: LayoutConfig) -> bool:
+    """Whether ``lay`` runs FP8 GEMMs."""
+    return lay.fp8 != "none"
+
+
+def gemm_peak(hw: HardwareConfig, lay: LayoutConfig) -> float:
+    """The peak a layer's weight matmuls run against: FP8's where the recipe is on and the
+    GPU has FP8 tensor cores, else bf16's."""
+    return hw.peak_flops_fp8 if on(lay) and hw.peak_flops_fp8 else hw.peak_flops_bf16
+
+
+def gather_bytes(lay: LayoutConfig, compute_bytes: float) -> float:
+    """Bytes per element of Megatron-SP's tp all-gathers: 1 under FP8 (the values gathered
+    are FP8), else the compute dtype's."""
+    return 1.0 if on(lay) else compute_bytes
+
+
+def quant_bytes(model: ModelConfig, lay: LayoutConfig, tokens: float) -> float:
+    """HBM bytes one layer's forward moves quantizing its GEMM operands for one micro-batch
+    on one device (``tokens``: the micro-batch's local tokens, before Megatron-SP's split)."""
+    if not on(lay):
+        return 0.0
+    t, d = lay.tp, model.d_model
+    q, kv = model.n_heads * model.hd / t, kv_heads_local(model, lay) * model.hd
+    ff = model.d_ff / t * (2 if model.mlp == "swiglu" else 1)
+    stream = tokens / (t if lay.sequence_parallel else 1)  # the residual stream's shard
+    acts = 2 * stream * d + tokens * q + tokens * model.d_ff / t
+    weights = d * (q + 2 * kv) + q * d + d * ff + model.d_ff / t * d
+    return QUANT_BYTES * (acts + weights)
+
+
+@dataclass(frozen=True)
+class AmaxCalls:
+    """The scale all-reduces (max) of one layer and micro-batch over one group."""
+
+    fwd: int = 0
+    bwd: int = 0
+    bytes: float = SCALE_BYTES  # per call
+
+
+def amax_calls(model: ModelConfig, lay: LayoutConfig, tokens: float) -> dict[str, AmaxCalls]:
+    """Scale all-reduces per layer and micro-batch by group, ``"dp"`` (the explicit ``pmax``
+    over the data-parallel rows) and ``"tp"`` (GSPMD's max over a tp-split operand), as
+    :mod:`jaxpar.model.fp8` makes them:
+
+    * **tensorwise** — dp: each activation input (4, forward) and incoming gradient (4,
+      backward); tp: the operands split over tp, forward the four weights, the attention
+      output and the FFN activation (and the two stream inputs under SP), backward the
+      column-parallel outputs' gradients (and the two stream gradients under SP); scalars.
+    * **rowwise** — dp: the weight-gradient GEMMs' per-column scales of their two operands
+      (8, backward, vectors of the feature width); tp: the rows whose contraction is split over
+      tp (forward: the row-parallel inputs and weights; backward: the column-parallel
+      gradients and weights, and under SP the stream operands' columns)."""
+    if not on(lay):
+        return {}
+    sp_ = lay.sequence_parallel and lay.tp > 1
+    out: dict[str, AmaxCalls] = {}
+    if lay.fp8 == "tensorwise":
+        if lay.dp > 1:
+            out["dp"] = AmaxCalls(4, 4)
+        if lay.tp > 1:
+            out["tp"] = AmaxCalls(4 + 2 + (2 if sp_ else 0), 2 + (2 if sp_ else 0))
+    else:
+        row = SCALE_BYTES * tokens
+        if lay.dp > 1:
+            out["dp"] = AmaxCalls(0, 8, SCALE_BYTES * model.d_model)
+        if lay.tp > 1:
+            out["tp"] = AmaxCalls(4, 4 + (4 if sp_ else 0), row)
+    return out
