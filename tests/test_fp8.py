@@ -256,8 +256,10 @@ def test_planner_prices_fp8_gemms_gathers_and_scales():
     assert not [c for c in bf.comm if c.label.startswith("FP8")]
     sp = dict(dp=1, tp=8, sequence_parallel=True)
     tp_bytes = {f: sum(c.bytes for c in _plan("h100-8", f, **sp).comm if c.name == "tp_comm")
-                for f in ("none", "rowwise")}  # fmt: skip
-    assert tp_bytes["rowwise"] / tp_bytes["none"] == pytest.approx(14 / 20, rel=0.01)
+                for f in ("none", "tensorwise", "rowwise")}  # fmt: skip
+    assert tp_bytes["tensorwise"] / tp_bytes["none"] == pytest.approx(14 / 20, rel=0.01)
+    # rowwise gathers each row-parallel output's gradient twice (per row, then per column)
+    assert tp_bytes["rowwise"] / tp_bytes["none"] == pytest.approx(16 / 20, rel=0.01)
     a100 = _plan("a100-8", "tensorwise", **z3).terms["compute"]
     assert a100 >= _plan("a100-8", "none", **z3).terms["compute"]
 

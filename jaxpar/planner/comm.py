@@ -133,6 +133,8 @@ def tp_calls(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: S
         # backward: dx's reduce-scatters, dy's all-gathers, and the inputs gathered again
         # (by the full recompute, counted as the forward repeated, when there is one)
         bwd = [scatter, gather] * 2 + ([] if full else [gather] * 2)
+        if lay.fp8 == "rowwise":  # dy gathered twice: per row for dx, per column for dW
+            bwd += [gather] * 2
         kind = "all-gather + reduce-scatter (Megatron-SP)"
     else:
         fwd = [("all-reduce", 2 * buf * r)] * 2

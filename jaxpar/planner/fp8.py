@@ -12,8 +12,10 @@
   again) is in the planner's 2 × forward.
 * **Megatron-SP's gathers move FP8**: the column-parallel inputs (forward, and again for the
   weight gradients) and the row-parallel outputs' gradients are gathered as FP8, one byte per
-  element; the reduce-scatters stay in the compute dtype. The collective matmul's rings are not
-  used under FP8 (GSPMD places the gathers), so none of the tp calls hide behind a ring.
+  element; the reduce-scatters stay in the compute dtype. Rowwise gathers a row-parallel
+  output's gradient twice (quantized per row for ``dx``, per column for ``dW``). The
+  collective matmul's rings are not used under FP8 (GSPMD places the gathers), so none of
+  the tp calls hide behind a ring.
 * **Amax collectives** (:func:`amax_calls`): small all-reduces (max) per layer and micro-batch,
   latency-bound and on the critical path (each GEMM waits for its operand's scale).
 """
