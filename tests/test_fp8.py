@@ -245,9 +245,10 @@ def _plan(mesh: str, fp8: str, **layout):
 
 def test_planner_prices_fp8_gemms_gathers_and_scales():
     """On an H100 pod the weight matmuls run at the FP8 peak (the compute term, attention and
-    memory-bound work included, falls by more than 15%), Megatron-SP's six gathers a layer move one byte per element (14/20 of the
-    bf16 bytes: the four reduce-scatters stay bf16), and each FP8 operand's scale is a max over
-    dp: 8 calls a layer and micro-batch, exposed. An A100 has no FP8 peak: no faster."""
+    memory-bound work included, falls by more than 15%), Megatron-SP's six gathers a layer
+    move one byte per element (14/20 of the bf16 bytes: the four reduce-scatters stay bf16),
+    and each FP8 operand's scale is a max over dp: 8 calls a layer and micro-batch, exposed.
+    An A100 has no FP8 peak: no faster."""
     z3 = dict(dp=8, tp=1, zero=3)
     bf, f8 = _plan("h100-8", "none", **z3), _plan("h100-8", "tensorwise", **z3)
     assert f8.terms["compute"] < 0.85 * bf.terms["compute"]
