@@ -277,3 +277,19 @@ def test_plan_searches_with_the_recipe(capsys):
     assert main(["plan", "--model", "llama3-8b", "--mesh", "a100-8", "--fp8", "rowwise"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no FP8 tensor cores" in err[0]
+
+
+def test_compile_for_h100_runs_fp8_gemms(tmp_path):
+    """``jaxpar compile`` for an H100 node: every weight GEMM of the layers, forward and
+    backward, has FP8 operands in the XLA:GPU program (the LM head's stay bf16), the estimate
+    counts them, and the simulated step is shorter than bf16's."""
+    from test_gpu_compile import _compile, _plugin_or_fail, _report
+
+    _plugin_or_fail()
+    base = ("--mesh", "h100-8", "--dp", "8", "--tp", "1", "--pp", "1", "--zero", "3", "--json")
+    bf16 = _report(_compile(tmp_path, *base))["estimate"]
+    got = _report(_compile(tmp_path, *base, "--fp8", "tensorwise"))["estimate"]
+    assert got["gemms"].get("fp8", 0) >= 12  # 4 GEMMs a layer forward, 8 backward
+    assert "fp8" not in bf16["gemms"] and bf16["gemms"]["bf16"] >= 15
+    assert got["gemms"]["bf16"] < bf16["gemms"]["bf16"]
+    assert got["compute_s"] < bf16["compute_s"]

@@ -21,7 +21,9 @@ imbalance, not transfer time), ``comm_s`` (all collective time, hidden or not),
 ``planner_step_s`` (``jaxpar plan``'s step time for the same layout), ``step_ratio`` =
 planner / estimate, ``critical_path`` (the chain of kernels and collectives that sets the step:
 ``compute_s``, ``comm_s`` per mesh-axis set and ``total``, and the ``top`` instructions on it,
-:class:`jaxpar.gpu.timing.CriticalPath`), ``assumptions``.
+:class:`jaxpar.gpu.timing.CriticalPath`), ``assumptions``, ``gemms`` (the program's GEMM call
+sites by operand type: ``fp8`` for the FP8 GEMMs of ``layout.fp8``, else e.g. ``bf16``; counted
+once per place in the program, as the cuDNN attention calls).
 """
 
 from __future__ import annotations
@@ -206,6 +208,9 @@ def estimate_lines(est: dict[str, Any]) -> list[str]:
         share = ex[key] / est["step_s"] if est["step_s"] else 0.0
         lines.append(f"  {key:<10} {comm.get(key, 0.0) * 1e3:>10.3f} {ex[key] * 1e3:>11.3f} "
                      f"{share:>8.0%}")  # fmt: skip
+    if est.get("gemms"):  # FP8 GEMMs (layout.fp8) beside the compute dtype's
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(est["gemms"].items()))
+        lines.append(f"  GEMM call sites in the program by operand type: {kinds}")
     wait = est.get("rank_wait_s") or 0.0
     if wait > 0:  # the pipeline's bubble and imbalance, inside the pp rows above
         rest = (ex["total"] - wait) * 1e3

@@ -142,6 +142,7 @@ class StepTime:
     critical_path: CriticalPath | None = None
     ranks: list[RankTime] = field(default_factory=list)  # a pipeline's, each walked (above)
     rank_wait_s: float = 0.0  # of exposed_s: waiting for other pipeline ranks (docstring)
+    gemms: dict[str, int] = field(default_factory=dict)  # GEMM call sites by precision
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON ``estimate`` keys (events left out)."""
@@ -158,6 +159,7 @@ class StepTime:
             "critical_path": self.critical_path.to_dict() if self.critical_path else None,
             "ranks": [asdict(r) for r in self.ranks],
             "assumptions": list(self.assumptions),
+            "gemms": dict(self.gemms),
         }
 
 
@@ -654,7 +656,7 @@ def simulate(
                    critical_path=sim.critical_path(end, list(sim.exposed)),
                    ranks=[_rank_figures(x, parts[i] if len(sims) > 1 else 0)
                           for i, (x, _) in enumerate(sims)] if len(sims) > 1 else [],
-                   rank_wait_s=sim.rank_wait)  # fmt: skip
+                   rank_wait_s=sim.rank_wait, gemms=sim.coster.gemms())  # fmt: skip
     if model_flops is not None and sim.t > 0:
         out.model_flops = model_flops
         out.tflops_per_device = model_flops / sim.t / 1e12
