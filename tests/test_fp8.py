@@ -293,3 +293,21 @@ def test_compile_for_h100_runs_fp8_gemms(tmp_path):
     assert "fp8" not in bf16["gemms"] and bf16["gemms"]["bf16"] >= 15
     assert got["gemms"]["bf16"] < bf16["gemms"]["bf16"]
     assert got["compute_s"] < bf16["compute_s"]
+
+
+def test_layout_auto_searches_with_the_recipe(capsys):
+    """``jaxpar train --layout auto --fp8 R``: the planner ranks the layouts with the recipe
+    (on the CPU mesh too: bf16 compute, emulated) and the run takes it; other layout flags
+    still conflict with auto."""
+    import json
+
+    from jaxpar.cli import main
+
+    args = ["train", "--model", "tiny", "--global-batch", "8", "--seq-len", "32", "--layout",
+            "auto", "--dry-run", "--json"]  # fmt: skip
+    assert main([*args, "--fp8", "rowwise"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["layout"]["fp8"] == "rowwise" and out["layout"]["compute_dtype"] == "bfloat16"
+    assert out["auto_layout"]["layout"]["fp8"] == "rowwise"
+    assert main([*args, "--fp8", "rowwise", "--compute-dtype", "bfloat16"]) == 2
+    assert "conflicts with --compute-dtype" in capsys.readouterr().err

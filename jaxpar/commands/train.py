@@ -125,7 +125,8 @@ def auto_layout(cfg, args: argparse.Namespace) -> dict | None:
     from jaxpar.planner import check_hardware
     from jaxpar.planner.auto import NoLayoutFits, resolve_auto_layout
 
-    given = [n for n in LAYOUT_NAMES if getattr(args, n) is not None]
+    # --fp8 is the precision the search prices every layout with (jaxpar plan --fp8)
+    given = [n for n in LAYOUT_NAMES if n != "fp8" and getattr(args, n) is not None]
     given += ["sequence_parallel"] if args.sequence_parallel else []
     if given:
         raise ConfigError(f"--layout=auto: conflicts with --{given[0].replace('_', '-')} (the "
