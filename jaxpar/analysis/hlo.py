@@ -51,8 +51,10 @@ from typing import Any
 import numpy as np
 
 from jaxpar.analysis.hlo_text import (
+    Module,
     callees,
     execution_counts,
+    parse,
     parse_module,
     replica_groups,
     shape_bytes,
@@ -157,22 +159,25 @@ def _varying_axes(
 def collective_bytes(compiled_or_hlo_text: Any, mesh: Any) -> CollectiveReport:
     """Count the collectives of a compiled program and their bytes per device per step.
 
-    ``compiled_or_hlo_text`` is a ``jax.stages.Compiled`` (anything with ``as_text()``) or its
-    optimized HLO text; ``mesh`` a ``jax.sharding.Mesh`` (``devices.shape`` and ``axis_names``
-    are used) whose device order is the program's partition order. Definitions of ``bytes``
-    and ``wire_bytes``, loop and replica-group handling: see the module docstring.
+    ``compiled_or_hlo_text`` is a ``jax.stages.Compiled`` (anything with ``as_text()``), its
+    optimized HLO text or that text parsed (:class:`~jaxpar.analysis.hlo_text.Module`);
+    ``mesh`` a ``jax.sharding.Mesh`` (``devices.shape`` and ``axis_names`` are used) whose
+    device order is the program's partition order. Definitions of ``bytes`` and
+    ``wire_bytes``, loop and replica-group handling: see the module docstring.
     """
-    text = compiled_or_hlo_text
-    if not isinstance(text, str):
-        text = text.as_text()
+    src = compiled_or_hlo_text
+    if not isinstance(src, (str, Module)):
+        src = src.as_text()
+    text = src.text if isinstance(src, Module) else src
     shape = tuple(int(s) for s in np.shape(mesh.devices))
     names = tuple(mesh.axis_names)
     n_parts = int(np.prod(shape))
     pm = re.search(r"num_partitions=(\d+)", text)
     if pm and int(pm.group(1)) not in (1, n_parts):
         raise ValueError(f"program has {pm.group(1)} partitions but the mesh has {n_parts}")
-    comps, entry = parse_module(text)
-    mult, unknown = execution_counts(comps, entry)
+    module = parse(src)
+    comps = module.comps
+    mult, unknown = module.execution_counts()
     out: list[Collective] = []
     stats: dict[tuple[str, tuple[str, ...]], CollectiveStat] = {}
     for cname, instrs in comps.items():
@@ -215,7 +220,7 @@ def collective_bytes(compiled_or_hlo_text: Any, mesh: Any) -> CollectiveReport:
             s.count += trips
             s.bytes += size * trips
             s.wire_bytes += wire * trips
-    return CollectiveReport(out, stats, unknown, n_parts)
+    return CollectiveReport(out, stats, list(unknown), n_parts)
 
 
 def copy_bytes(compiled_or_hlo_text: Any) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.analysis.hlo import collective_bytes
-from jaxpar.analysis.hlo_text import Instr, callees, parse_module
+from jaxpar.analysis.hlo_text import Instr, Module, callees, parse
 
 # Opcodes that do work on the device (elementwise ops outside fusions are bookkeeping here).
 COMPUTE = {
@@ -142,10 +142,13 @@ def _config(ins: Instr) -> dict[str, Any]:
 
 
 def async_collectives(compiled_or_text: Any, mesh: Any) -> list[AsyncCollective]:
-    """Every collective of the program with its asynchrony and what overlaps it."""
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    report = collective_bytes(text, mesh)
-    comps, _ = parse_module(text)
+    """Every collective of the program with its asynchrony and what overlaps it
+    (``compiled_or_text``: a compiled program, its optimized HLO text or that text parsed,
+    :class:`~jaxpar.analysis.hlo_text.Module`)."""
+    src = compiled_or_text
+    module = parse(src if isinstance(src, (str, Module)) else src.as_text())
+    report = collective_bytes(module, mesh)
+    comps = module.comps
     index = {(c, i.name): i for c, body in comps.items() for i in body}
     out = []
     for c in report.collectives:
@@ -192,7 +195,11 @@ def overlap_by_axes(items: list[AsyncCollective]) -> dict[str, AxisOverlap]:
 
 def custom_calls(compiled_or_text: Any) -> dict[str, int]:
     """Static count of each custom-call target (``__cudnn$fmha...`` is cuDNN attention)."""
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    text = compiled_or_text
+    if isinstance(text, Module):
+        text = text.text
+    elif not isinstance(text, str):
+        text = text.as_text()
     counts: dict[str, int] = {}
     for t in re.findall(r'custom_call_target="([^"]+)"', text):
         counts[t] = counts.get(t, 0) + 1

@@ -19,7 +19,7 @@ Formats handled (as printed by the XLA in jax 0.10.x; checked against its CPU ou
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -130,6 +130,31 @@ def shape_bytes(shape: str) -> float:
                 n *= int(d)
         total += n * DTYPE_BYTES.get(dtype, 0)
     return total
+
+
+@dataclass(eq=False)
+class Module:
+    """An optimized HLO module parsed once (:func:`parse`): its ``text``, its computations
+    ``comps`` (each a list of instructions, in schedule order) and the ``entry``'s name. The
+    readers of a compiled program (:func:`jaxpar.analysis.hlo.collective_bytes`,
+    :func:`jaxpar.analysis.hlo_gpu.async_collectives`, :func:`jaxpar.gpu.timing.simulate`)
+    take one in place of the text, so a report that runs them all parses the program once."""
+
+    text: str
+    comps: dict[str, list[Instr]]
+    entry: str
+    _counts: Any = field(default=None, init=False, repr=False)
+
+    def execution_counts(self) -> tuple[dict[str, tuple[float, bool, bool]], list[str]]:
+        """:func:`execution_counts` of the module, computed once."""
+        if self._counts is None:
+            self._counts = execution_counts(self.comps, self.entry)
+        return self._counts
+
+
+def parse(text: str | Module) -> Module:
+    """``text`` parsed (:func:`parse_module`) as a :class:`Module`; a module as it is."""
+    return text if isinstance(text, Module) else Module(text, *parse_module(text))
 
 
 def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:

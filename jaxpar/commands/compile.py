@@ -167,7 +167,6 @@ def run(args: argparse.Namespace) -> int:
         return 1  # nothing fits the pod: the plan's verdict is printed
     plug = require_plugin()
     target = target_for(cfg.mesh, plug)
-    from jaxpar.analysis.hlo_text import program_text
     from jaxpar.distributed import run_xla_flags
     from jaxpar.gpu.compile import apply_flags, compile_step
     from jaxpar.gpu.report import estimate_lines, report
@@ -176,16 +175,15 @@ def run(args: argparse.Namespace) -> int:
     run_flags = run_xla_flags(cfg.mesh.hardware, cfg.layout)
     flags = apply_flags(run_flags, plug.module)
     compiled = compile_step(cfg, target, flags)
-    text = program_text(compiled.compiled)  # printed once: the report reads it, --hlo keeps it
-    out = report(cfg, compiled, trace=args.trace, timeline=getattr(args, "timeline", None),
-                 text=text)  # fmt: skip
+    program = compiled.program  # printed and parsed once: the report reads it, --hlo keeps it
+    out = report(cfg, compiled, trace=args.trace, timeline=getattr(args, "timeline", None))
     # the mesh file's flags this layout runs without (as `jaxpar train` starts it)
     out["xla_flags"]["withheld"] = [f for f in cfg.mesh.hardware.xla_flags if f not in run_flags]
     if args.auto_layout is not None:
         out["auto_layout"] = args.auto_layout
     if args.hlo is not None:
         with open(args.hlo, "x") as f:
-            f.write(text)
+            f.write(program.text)
     if args.save is not None:
         from jaxpar.gpu.saved import save
 

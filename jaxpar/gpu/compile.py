@@ -15,17 +15,21 @@ whether it did).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxpar.config import RunConfig
 from jaxpar.errors import ConfigError
 from jaxpar.gpu.targets import Target, quiet_native_stderr
+
+if TYPE_CHECKING:
+    from jaxpar.analysis.hlo_text import Module
 
 _STARTED = {"gpu": False}  # whether this process created a GPU target (XLA_FLAGS read then)
 
@@ -103,6 +107,14 @@ class Compiled:
     seconds: float
     flags: XlaFlags
     flags_effective: bool  # False: a GPU target already existed, XLA_FLAGS was read before
+
+    @functools.cached_property
+    def program(self) -> Module:
+        """The optimized HLO (:func:`~jaxpar.analysis.hlo_text.program_text`), printed and
+        parsed once: every figure of the report (:mod:`jaxpar.gpu.report`) reads it."""
+        from jaxpar.analysis.hlo_text import parse, program_text
+
+        return parse(program_text(self.compiled))
 
 
 def compile_step(cfg: RunConfig, target: Target, flags: XlaFlags) -> Compiled:

@@ -33,7 +33,7 @@ from typing import Any
 
 from jaxpar.analysis.hlo import compiled_memory
 from jaxpar.analysis.hlo_gpu import async_collectives, custom_calls, overlap_by_axes
-from jaxpar.analysis.hlo_text import program_text, remat_clones
+from jaxpar.analysis.hlo_text import Module, parse, remat_clones
 from jaxpar.config import RunConfig
 from jaxpar.gpu.compile import Compiled, planner_traffic
 
@@ -44,7 +44,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def memory(cfg: RunConfig, c: Compiled, text: str | None = None) -> dict[str, Any]:
+def _program(c: Compiled, text: str | Module | None) -> Module:
+    """The program the report reads: ``text`` (its HLO, printed or parsed by the caller), else
+    the compiled step's, parsed once (:attr:`Compiled.program`)."""
+    return c.program if text is None else parse(text)
+
+
+def memory(cfg: RunConfig, c: Compiled, text: str | Module | None = None) -> dict[str, Any]:
     """XLA's memory figures beside the planner's for the same layout; ``recomputed_by_xla``:
     the instructions XLA's rematerialization pass cloned into the program (``text``) to meet
     its memory limit (the mesh's ``--xla_gpu_memory_limit_slop_factor`` sets that limit);
@@ -61,15 +67,17 @@ def memory(cfg: RunConfig, c: Compiled, text: str | None = None) -> dict[str, An
     out["ratio"] = _ratio(got["total"], plan["per_device_bytes"])
     out["usable_bytes"] = plan["usable_bytes"]
     out["fits"] = got["total"] is not None and got["total"] <= plan["usable_bytes"]
-    out["recomputed_by_xla"] = remat_clones(text or program_text(c.compiled))
+    out["recomputed_by_xla"] = remat_clones(_program(c, text).text)
     lim = c.trainer.memory_limit  # the XLA memory limit the program was compiled under
     out["xla_memory_limit"] = dataclasses.asdict(lim) if lim is not None else None
     return out
 
 
-def collectives(cfg: RunConfig, c: Compiled) -> tuple[dict[str, Any], dict[str, Any]]:
+def collectives(
+    cfg: RunConfig, c: Compiled, text: str | Module | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per-axis collective bytes beside the planner's, and the overlap summary."""
-    items = async_collectives(c.compiled, c.mesh)
+    items = async_collectives(_program(c, text), c.mesh)
     axes = {k: v.to_dict() for k, v in overlap_by_axes(items).items()}
     plan = planner_traffic(cfg)
     for name, planned in plan.items():
@@ -97,9 +105,9 @@ def collectives(cfg: RunConfig, c: Compiled) -> tuple[dict[str, Any], dict[str, 
     return axes, overlap
 
 
-def overlap_share(c: Compiled) -> float:
+def overlap_share(c: Compiled, text: str | Module | None = None) -> float:
     """Share of the program's collective wire bytes with no compute between start and done."""
-    items = async_collectives(c.compiled, c.mesh)
+    items = async_collectives(_program(c, text), c.mesh)
     total = sum(i.wire_bytes for i in items)
     return sum(i.wire_bytes for i in items if i.exposed) / total if total else 0.0
 
@@ -124,7 +132,9 @@ def check_estimate(cfg: RunConfig) -> None:
         raise ConfigError(f"mesh {cfg.mesh.name!r}: {e}") from None
 
 
-def estimate(cfg: RunConfig, c: Compiled, text: str | None = None) -> tuple[dict[str, Any], Any]:
+def estimate(
+    cfg: RunConfig, c: Compiled, text: str | Module | None = None
+) -> tuple[dict[str, Any], Any]:
     """The simulated step's figures (module docstring) and the :class:`StepTime` itself."""
     import numpy as np
 
@@ -137,7 +147,7 @@ def estimate(cfg: RunConfig, c: Compiled, text: str | None = None) -> tuple[dict
     per_host = c.target.per_host
     nodes = [int(d.id) // per_host for d in np.ravel(c.mesh.devices)]
     try:
-        st = simulate(text or program_text(c.compiled), c.mesh, cfg.mesh.hardware, nodes,
+        st = simulate(_program(c, text), c.mesh, cfg.mesh.hardware, nodes,
                       model_flops / cfg.layout.n_devices)  # fmt: skip
     except ValueError as e:
         raise ConfigError(f"mesh {cfg.mesh.name!r}: {e}") from None
@@ -148,16 +158,17 @@ def estimate(cfg: RunConfig, c: Compiled, text: str | None = None) -> tuple[dict
     return out, st
 
 
-def report(cfg: RunConfig, c: Compiled, trace: str | None = None,
-           timeline: str | None = None, text: str | None = None) -> dict[str, Any]:  # fmt: skip
+def report(cfg: RunConfig, c: Compiled, trace: str | None = None, timeline: str | None = None,
+           text: str | Module | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole report (module docstring); ``trace``: write the simulated step there as a
     Chrome trace (:func:`jaxpar.gpu.trace.write_trace`), recorded as ``trace``; ``timeline``:
     draw it there as a PNG Gantt chart (:func:`jaxpar.gpu.timeline.draw_timeline`), recorded
-    as ``timeline``; ``text``: the program's HLO when the caller printed it already
-    (:func:`jaxpar.analysis.hlo_text.program_text`)."""
-    text = text or program_text(c.compiled)
+    as ``timeline``; ``text``: the program's HLO when the caller printed or parsed it
+    (:func:`jaxpar.analysis.hlo_text.program_text`); by default :attr:`Compiled.program`, the
+    one parse every figure reads."""
+    text = _program(c, text)
     calls = custom_calls(text)
-    axes, overlap = collectives(cfg, c)
+    axes, overlap = collectives(cfg, c, text)
     est, step = estimate(cfg, c, text)
     lay = cfg.layout
     out = {

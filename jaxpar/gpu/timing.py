@@ -70,11 +70,12 @@ from jaxpar.analysis.hlo import KINDS, collective_bytes
 from jaxpar.analysis.hlo_text import (
     _TRIP,
     Instr,
+    Module,
     Values,
     branch_weights,
     callees,
     infer_trips,
-    parse_module,
+    parse,
     program_text,
     source_target_pairs,
 )
@@ -614,15 +615,17 @@ def simulate(
 ) -> StepTime:
     """Simulate one step of the scheduled program (module docstring).
 
-    ``compiled_or_text``: a compiled executable or its optimized HLO text; ``mesh``: anything
-    with ``devices`` (its shape) and ``axis_names`` in the program's partition order; ``hw`` the
-    mesh file's hardware; ``nodes[p]`` the node of partition ``p`` (default
-    ``p // hw.devices_per_node``); ``model_flops`` per device per step for TFLOP/s and MFU.
+    ``compiled_or_text``: a compiled executable, its optimized HLO text or that text parsed
+    (:class:`~jaxpar.analysis.hlo_text.Module`); ``mesh``: anything with ``devices`` (its
+    shape) and ``axis_names`` in the program's partition order; ``hw`` the mesh file's
+    hardware; ``nodes[p]`` the node of partition ``p`` (default ``p // hw.devices_per_node``);
+    ``model_flops`` per device per step for TFLOP/s and MFU.
     """
     check_hardware(hw)
-    text = compiled_or_text if isinstance(compiled_or_text, str) else program_text(compiled_or_text)
-    comps, entry = parse_module(text)
-    colls = {(c.computation, c.name): c for c in collective_bytes(text, mesh).collectives}
+    src = compiled_or_text
+    module = parse(src if isinstance(src, (str, Module)) else program_text(src))
+    comps, entry = module.comps, module.entry
+    colls = {(c.computation, c.name): c for c in collective_bytes(module, mesh).collectives}
     parts = pipeline_partitions(mesh)
     notes: list[str] = []
 
