@@ -467,7 +467,7 @@ def _check_ragged_slots(m: ModelConfig, lay: LayoutConfig, global_batch: int, se
 
 
 def check_fp8(m: ModelConfig, lay: LayoutConfig) -> None:
-    """``layout.fp8``: a known recipe, on bf16 compute, for dense models."""
+    """``layout.fp8``: a known recipe, on bf16 compute."""
     from jaxpar.model.fp8 import NAMES
 
     _one_of("layout.fp8", lay.fp8, NAMES)
@@ -478,10 +478,11 @@ def check_fp8(m: ModelConfig, lay: LayoutConfig) -> None:
             f"layout.fp8={lay.fp8!r}: needs layout.compute_dtype='bfloat16' (FP8 GEMMs replace "
             f"the bf16 ones), not {lay.compute_dtype!r}"
         )
-    if m.moe.enabled:
+    if m.moe.enabled and lay.fp8 == "rowwise":
+        # its expert backward differs from one device's by ~2% under dp (not yet explained)
         raise ConfigError(
-            f"layout.fp8={lay.fp8!r}: FP8 expert GEMMs are not supported yet (MoE model); run "
-            "the MoE model with layout.fp8='none'"
+            "layout.fp8='rowwise': not supported for MoE models yet (the routed experts' rowwise "
+            "backward does not reproduce one device); use layout.fp8='tensorwise'"
         )
 
 

@@ -214,3 +214,69 @@ def _tensordot_bwd(n, recipe, stream, res, dy):
 
 
 tensordot.defvjp(_tensordot_fwd, _tensordot_bwd)
+
+
+# ---- the routed experts: one GEMM per expert ------------------------------------------------
+
+
+def _expert_axes() -> tuple[str, ...]:
+    """The manual axes an expert's token buffer is split over: the data-parallel ones less
+    ``ep``, whose ranks hold other experts (and ``pp``'s other layers)."""
+    return tuple(a for a in _batch_axes() if a != "ep")
+
+
+def _escale(t: jax.Array, dtype: Any, axes: tuple[int, ...], tokens: bool) -> jax.Array:
+    """:func:`_scale` per expert (axis 0 kept): ``tokens``, the reduced axes include the
+    expert's token rows, split over :func:`_expert_axes`."""
+    amax = jnp.max(jnp.abs(t), axis=axes, keepdims=True).astype(jnp.float32)
+    if tokens and (dp := _expert_axes()):
+        amax = jax.lax.pmax(amax, dp)
+    mant, exp = jnp.frexp(amax / float(jnp.finfo(dtype).max))
+    return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exp - (mant == 0.5)), 1.0)
+
+
+def _edot(a, b, ca: int, cb: int, out) -> jax.Array:
+    """Per-expert FP8 GEMM: batch axis 0 of both, ``a``'s axis ``ca`` against ``b``'s ``cb``."""
+    return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((0,), (0,))), preferred_element_type=out)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def experts(x_ExNxD: jax.Array, w_ExDxF: jax.Array, recipe: Recipe) -> jax.Array:
+    """``einsum("end,edf->enf")``: each routed expert's GEMM in FP8 with ``recipe``; a
+    tensorwise scale is per expert (its token buffer over every dp rank, its weight), a rowwise
+    one per row of each expert's operands, as :func:`tensordot`'s."""
+    return _experts_fwd(x_ExNxD, w_ExDxF, recipe)[0]
+
+
+def _experts_fwd(x, w, recipe):
+    if recipe.rowwise:  # x per (expert, token), w per (expert, column)
+        sx, sw = _escale(x, E4M3, (2,), False), _escale(w, E4M3, (1,), False)
+        s = sx * sw  # [E, N, 1] * [E, 1, F]
+    else:
+        sx, sw = _escale(x, E4M3, (1, 2), True), _escale(w, E4M3, (1, 2), False)
+        s = sx * sw  # [E, 1, 1]
+    sx, sw = fp8_scale(sx), fp8_scale(sw)
+    y = _edot(_quantize(x, sx, E4M3), _quantize(w, sw, E4M3), 2, 1, x.dtype) * s
+    return y.astype(x.dtype), (x, w, sx, sw)
+
+
+def _experts_bwd(recipe, res, dy):
+    x, w, sx, sw = res
+    g = recipe.grad_dtype
+    if recipe.rowwise:
+        # dx = dy·Wᵀ over F: dy per (e, n), W per (e, d); dW = xᵀ·dy over the tokens N.
+        sdy_r, sw_r = _escale(dy, g, (2,), False), _escale(w, E4M3, (2,), False)
+        dx = _edot(_quantize(dy, sdy_r, g), _quantize(w, sw_r, E4M3), 2, 2, x.dtype)
+        dx = dx * sdy_r * jnp.swapaxes(sw_r, 1, 2)
+        sx_c, sdy_c = _escale(x, E4M3, (1,), True), _escale(dy, g, (1,), True)
+        dw = _edot(_quantize(x, sx_c, E4M3), _quantize(dy, sdy_c, g), 1, 1, w.dtype)
+        dw = dw * jnp.swapaxes(sx_c, 1, 2) * sdy_c
+    else:
+        sdy = _escale(dy, g, (1, 2), True)
+        qdy = _quantize(dy, sdy, g)
+        dx = _edot(qdy, _quantize(w, sw, E4M3), 2, 2, x.dtype) * (sdy * sw)
+        dw = _edot(_quantize(x, sx, E4M3), qdy, 1, 1, w.dtype) * (sx * sdy)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+experts.defvjp(_experts_fwd, _experts_bwd)

@@ -328,7 +328,11 @@ class MLP(nnx.Module):
         # Column-parallel: the all-gather over tp under Megatron-SP overlapped with the matmul
         # (collective matmul, see Attention), else a plain matmul.
         def up(x, w, matmul=project):
-            return matmul(gather_sequence(x), w) if gathered else column_parallel(x, w, matmul)
+            if not gathered:
+                return column_parallel(x, w, matmul)
+            if (recipe := fp8.active()) is not None:  # FP8 GEMM on the gathered input
+                return fp8.tensordot(gather_sequence(x), w, 1, recipe)
+            return matmul(gather_sequence(x), w)
 
         if self.kind == "swiglu":
             # Gate and up fused per TP rank: one matmul, one backward all-reduce over tp.

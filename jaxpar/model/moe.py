@@ -62,10 +62,10 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig, MoeConfig
-from jaxpar.model import ragged
+from jaxpar.model import fp8, ragged
 from jaxpar.model.attention import target
 from jaxpar.model.layers import MLP, gather_sequence
-from jaxpar.model.names import weight
+from jaxpar.model.names import projected, weight
 from jaxpar.sharding import active_rules, constrain, use_rules
 
 EP_AXIS = "ep"
@@ -137,11 +137,16 @@ def route(cfg: ModelConfig, logits_BxSxE: jax.Array, bias_E: jax.Array, c: int) 
 def _experts(x_ExNxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     """The routed experts as batched einsums over equal groups (SwiGLU per expert)."""
     dt = x_ExNxD.dtype
-    g = jnp.einsum("end,edf->enf", x_ExNxD, weight(w_gate_ExDxF.astype(dt)))
-    u = jnp.einsum("end,edf->enf", x_ExNxD, weight(w_up_ExDxF.astype(dt)))
+    recipe = fp8.active()  # layout.fp8: each expert's GEMMs in FP8 (jaxpar.model.fp8)
+    if recipe is None:
+        mm = lambda x, w: jnp.einsum("end,edf->enf", x, w)  # noqa: E731
+    else:
+        mm = lambda x, w: projected(fp8.experts(x, w, recipe))  # noqa: E731
+    g = mm(x_ExNxD, weight(w_gate_ExDxF.astype(dt)))
+    u = mm(x_ExNxD, weight(w_up_ExDxF.astype(dt)))
     # Column-parallel up (F on tp), row-parallel down: one all-reduce over tp of [E, N, D].
     h_ExNxF = constrain(jax.nn.silu(g) * u, ("experts", None, "mlp"))
-    y = jnp.einsum("enf,efd->end", h_ExNxF, weight(w_down_ExFxD.astype(dt)))
+    y = mm(h_ExNxF, weight(w_down_ExFxD.astype(dt)))
     return constrain(y, ("experts", None, "embed"))
 
 
