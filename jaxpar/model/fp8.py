@@ -41,6 +41,7 @@ so the backward re-quantizes its saved operands without a second amax.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -86,12 +87,14 @@ def _batch_axes() -> tuple[str, ...]:
     return tuple(a for a in mesh.manual_axes if a != "pp" and mesh.shape[a] > 1)
 
 
-def _scale(t: jax.Array, dtype: Any, axes: tuple[int, ...], batch: bool) -> jax.Array:
+def _scale(t: jax.Array, dtype: Any, axes: tuple[int, ...], batch: bool,
+           rows: Callable[[], tuple[str, ...]] | None = None) -> jax.Array:  # fmt: skip
     """fp32 scale of ``t`` reduced over ``axes`` (kept as size-1 dims): the power of two at or
-    above ``amax / max(dtype)``; ``batch``: the reduced axes include the batch rows (a pmax
-    over the dp axes). An all-zero row gets scale 1 (its quantized values are zeros)."""
+    above ``amax / max(dtype)``; ``batch``: the reduced axes include the batch rows, split over
+    the manual axes ``rows()`` names (default :func:`_batch_axes`): a pmax over them. An
+    all-zero row gets scale 1 (its quantized values are zeros)."""
     amax = jnp.max(jnp.abs(t), axis=axes, keepdims=True).astype(jnp.float32)
-    if batch and (dp := _batch_axes()):
+    if batch and (dp := (rows or _batch_axes)()):
         amax = jax.lax.pmax(amax, dp)  # a small all-reduce (max) over dp: the tensor's amax
     mant, exp = jnp.frexp(amax / float(jnp.finfo(dtype).max))  # mant in [0.5, 1)
     return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exp - (mant == 0.5)), 1.0)
@@ -228,11 +231,7 @@ def _expert_axes() -> tuple[str, ...]:
 def _escale(t: jax.Array, dtype: Any, axes: tuple[int, ...], tokens: bool) -> jax.Array:
     """:func:`_scale` per expert (axis 0 kept): ``tokens``, the reduced axes include the
     expert's token rows, split over :func:`_expert_axes`."""
-    amax = jnp.max(jnp.abs(t), axis=axes, keepdims=True).astype(jnp.float32)
-    if tokens and (dp := _expert_axes()):
-        amax = jax.lax.pmax(amax, dp)
-    mant, exp = jnp.frexp(amax / float(jnp.finfo(dtype).max))
-    return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exp - (mant == 0.5)), 1.0)
+    return _scale(t, dtype, axes, tokens, _expert_axes)
 
 
 def _edot(a, b, ca: int, cb: int, out) -> jax.Array:
