@@ -79,3 +79,19 @@ def test_resume_equals_uninterrupted(make_cfg, tmp_path):
     np.testing.assert_array_equal(np.concatenate([a, out["losses"]]), ref)
     lines = (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()
     assert sum('"loss"' in line for line in lines) == 6  # appended, not rewritten
+
+
+def test_a_program_compiles_once_per_process(make_cfg):
+    """Trainers of the same run share the compiled step (jaxpar.train.programs: a run resumed
+    in the same process compiles it once); a run whose step differs (the learning rate
+    schedule's length) compiles its own."""
+    from jaxpar.train.step import Trainer
+
+    def trainer(steps):
+        cfg = make_cfg(dp=4, tp=2)
+        cfg.train.steps = steps
+        return Trainer(cfg, make_mesh(cfg.layout, jax.devices()))
+
+    a, b = trainer(6), trainer(6)
+    assert a.compile_step() is b.compile_step() and a.memory_limit == b.memory_limit
+    assert trainer(3).compile_step() is not a.compile_step()

@@ -23,6 +23,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.model import Model, ragged
 from jaxpar.model.moe import balance
 from jaxpar.pipeline.rest import STAGE_AXIS, RestLayout
+from jaxpar.train import programs
 from jaxpar.train.grads import GradContext, loss_grads_stats, mean_loss, microbatch_split
 from jaxpar.train.guard import inject_nonfinite
 from jaxpar.train.reduce import DPReduction
@@ -295,9 +296,12 @@ class Trainer:
         return self.rest.shardings(self.param_shardings, "canonical")
 
     def init_state(self, seed: int) -> State:
-        """Fresh state, created directly in its shardings (identical values on any layout)."""
+        """Fresh state, created directly in its shardings (identical values on any layout); the
+        init program is compiled once per process (:mod:`jaxpar.train.programs`)."""
+        key = jax.random.key(seed)
         with self._ctx():
-            return self._init(jax.random.key(seed))
+            lowered = self._init.lower(key)
+            return programs.compiled(programs.key(lowered, self.mesh), lowered.compile)(key)
 
     def step(self, state: State, batch: jax.Array) -> tuple[State, dict[str, jax.Array]]:
         """One optimizer step; ``state`` is donated."""
@@ -320,7 +324,8 @@ class Trainer:
             return fn(params, batch)
 
     def compile_step(self):
-        """The compiled step (compiled once; also used for memory and collective analysis)."""
+        """The compiled step (compiled once, and once per process for the same program:
+        :mod:`jaxpar.train.programs`; also used for memory and collective analysis)."""
         if self._compiled is not None:
             return self._compiled
         with self._ctx():
@@ -336,7 +341,8 @@ class Trainer:
             from jaxpar.planner.search import usable
 
             hw = self.cfg.mesh.hardware
-            self._compiled, self.memory_limit = compile_within(
-                lowered, usable(hw), hw.device_memory_bytes
+            limits = (usable(hw), hw.device_memory_bytes)
+            self._compiled, self.memory_limit = programs.compiled(
+                programs.key(lowered, self.mesh, *limits), lambda: compile_within(lowered, *limits)
             )
         return self._compiled
