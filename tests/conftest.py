@@ -70,14 +70,17 @@ def make_cfg():
 # measured time (heaviest first; unlisted files follow in collection order), the last files
 # handed out are the short ones. A stale list only costs balance, never a test.
 SLOW_FIRST = (
-    "test_docs.py", "test_moe_ragged.py", "test_gpu_compile.py", "test_moe_pipeline.py",
-    "test_survive.py", "test_install.py", "test_grad_path.py", "test_pipeline.py",
-    "test_attention.py", "test_moe.py", "test_harden.py", "test_zero.py", "test_tpsp.py",
-    "test_moe_decode.py", "test_planner.py", "test_reliability.py", "test_plan_verify.py",
-    "test_pods.py", "test_notebook.py", "test_train.py", "test_planner_moe.py",
-    "test_gpu_remat.py", "test_vocab_pad.py", "test_gpu_timing.py", "test_planner_auto.py",
-    "test_data_e2e.py", "test_bench.py", "test_hf.py", "test_decode.py", "test_fuzz.py",
-    "test_hostmem.py", "test_pipeline_gpu_sends.py", "test_loop.py", "test_kept_and_true.py",
+    "test_docs.py", "test_attention.py", "test_gpu_compile.py", "test_pipeline.py", "test_fp8.py",
+    "test_moe_ragged.py", "test_moe.py", "test_grad_path.py", "test_moe_pipeline.py",
+    "test_survive.py", "test_harden.py", "test_install.py", "test_tpsp.py", "test_zero.py",
+    "test_planner.py", "test_moe_decode.py", "test_pods.py", "test_plan_verify.py",
+    "test_reliability.py", "test_planner_moe.py", "test_notebook.py", "test_gpu_remat.py",
+    "test_planner_auto.py", "test_train.py", "test_vocab_pad.py", "test_data_e2e.py",
+    "test_gpu_timing.py", "test_decode.py", "test_pipeline_grads.py", "test_hf.py",
+    "test_hostmem.py", "test_fuzz.py", "test_pipeline_gpu_sends.py", "test_bench.py",
+    "test_flag_checks.py", "test_loop.py", "test_kept_and_true.py", "test_generate_hf.py",
+    "test_schedules.py", "test_prepare.py", "test_hf_moe.py", "test_tokens.py",
+    "test_fuzz_files.py",
 )  # fmt: skip
 
 
