@@ -258,7 +258,7 @@ def dp_terms(model, hw, lay, shape, lt: LayerTime, ex: Executor) -> list[CommTer
     wr = DTYPE_BYTES[lay.reduce_dtype]
     layers, m = model.n_layers // lay.pp, lay.microbatches
     f_layer = lt.forward
-    b_layer = 2 * lt.compute + lt.backward_comm + (f_layer if lay.remat == "full" else lt.recompute)
+    b_layer = lt.backward + lt.backward_comm + (f_layer if lay.remat == "full" else lt.recompute)
     if lay.zero == 3:
         out = _zero3_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex)
     else:

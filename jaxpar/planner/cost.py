@@ -30,6 +30,11 @@ of ``b`` sequences of ``s`` tokens per dp rank, ``tokens = b·s/sp`` local token
   backward adds its gradient into the fp32 accumulator (:func:`tick_weights`).
 * **FP8** (``layout.fp8``): the weight matmuls at the FP8 peak, their operands' quantization,
   FP8 gathers and the scale all-reduces (:mod:`jaxpar.planner.fp8`).
+* **jaxpar's program on a GPU** (:func:`jaxpar.planner.frameworks.for_target`): the kernels at
+  the time model's published ceilings (``Executor.kernels``: :mod:`jaxpar.gpu.costs`, not the
+  mesh curve fitted on published runs), memory-bound work at the HBM peak, the layer's passes
+  and the per-parameter weight work its compiled program moves (:func:`weight_work`,
+  :data:`jaxpar.planner.frameworks.PROGRAM_BYTES`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from jaxpar.planner import moe as MOE
 from jaxpar.planner import traffic as TR
 from jaxpar.planner.activations import block_residuals, kv_heads_local
 from jaxpar.planner.collectives import latencies
-from jaxpar.planner.frameworks import JAXPAR, Executor, for_model
+from jaxpar.planner.frameworks import JAXPAR, PROGRAM_BYTES, Executor, for_model
 from jaxpar.planner.hardware import crosses_nodes, elementwise_share, matmul_efficiency
 from jaxpar.planner.layer import LayerTime
 from jaxpar.planner.pipe import ActionCosts, PipeFigures, figures
@@ -92,18 +97,42 @@ def matmul_size(m: float, k: float, n: float) -> float:
     return 3 * m * k * n / (m * k + k * n + m * n)
 
 
-def _matmul(hw: HardwareConfig, m: float, k: float, n: float, peak: float | None = None
-            ) -> tuple[float, float]:  # fmt: skip
+def matmul_share(hw: HardwareConfig, size: float, ex: Executor = JAXPAR, fp8: bool = False
+                 ) -> float:  # fmt: skip
+    """Share of peak a matmul of ``size`` (:func:`matmul_size`) sustains for ``ex``: the time
+    model's published ceilings under the roofline (:func:`jaxpar.gpu.costs.matmul_share`, FP8's
+    for an FP8 GEMM) when ``ex.kernels`` is ``published``, else the mesh file's curve (on a
+    GPU, its ceiling fitted on published runs: ``Executor.kernels``)."""
+    if ex.kernels == "published":
+        from jaxpar.gpu import costs
+
+        return (costs.fp8_matmul_share if fp8 else costs.matmul_share)(hw, size)
+    return matmul_efficiency(hw, size)
+
+
+def _matmul(hw: HardwareConfig, m: float, k: float, n: float, peak: float | None = None,
+            ex: Executor = JAXPAR) -> tuple[float, float]:  # fmt: skip
     """(seconds, FLOPs) of an [m, k] @ [k, n] matmul against ``peak`` (default: bf16's)."""
     flops = 2 * m * k * n
+    fp8 = bool(peak) and peak != hw.peak_flops_bf16
     peak = peak or hw.peak_flops_bf16
-    return flops / (peak * matmul_efficiency(hw, matmul_size(m, k, n))), flops
+    return flops / (peak * matmul_share(hw, matmul_size(m, k, n), ex, fp8)), flops
 
 
-def memory_bound_bw(hw: HardwareConfig, share: float | None = None) -> float:
+def memory_bound_bw(hw: HardwareConfig, share: float | None = None, ex: Executor | None = None
+                    ) -> float:  # fmt: skip
     """Bytes/s the memory-bound remainder sustains: ``hbm_bw`` × the generation's
-    ``elementwise_share`` (or ``share``)."""
+    ``elementwise_share`` (or ``share``); the HBM peak for an executor whose kernels are the
+    time model's (``Executor.kernels`` = ``published``: :mod:`jaxpar.gpu.costs` prices a fusion's
+    bytes at ``hbm_bw``)."""
+    if ex is not None and ex.kernels == "published":
+        return hw.hbm_bw
     return hw.hbm_bw * (elementwise_share(hw) if share is None else share)
+
+
+# A flash attention backward runs 2.5x its forward's FLOPs (FlashAttention-2, Dao 2023, §3.1:
+# five matmuls against two); jaxpar.gpu.costs prices cuDNN's backward so.
+FLASH_BACKWARD = 2.5
 
 
 def _attention(model, hw, lay, ex, tokens: float, s: int, q: float, mem_bw: float) -> float:
@@ -111,6 +140,10 @@ def _attention(model, hw, lay, ex, tokens: float, s: int, q: float, mem_bw: floa
     ring = lay.sp > 1 and lay.sp_mode == "ring"
     visible = (lay.sp + 1) / (2 * lay.sp) if ring else 1.0  # ring skips fully masked blocks
     if ex.attention == "blockwise":  # masked blocks skipped: half of a causal s×s
+        if ex.kernels == "published":
+            from jaxpar.gpu.costs import attention_share
+
+            return 2 * tokens * s * q / (hw.peak_flops_bf16 * attention_share(hw, s))
         return 2 * tokens * s * q / (hw.peak_flops_bf16 * matmul_efficiency(hw, s))
     attn_flops = 4 * tokens * s * q * visible
     scores = tokens * s * model.n_heads / lay.tp * ex.score_bytes * visible
@@ -126,7 +159,7 @@ def layer_time(
     mem_bw: float | None = None,
 ) -> LayerTime:
     """Forward time of one layer and its tp/sp collectives (module docstring)."""
-    mem_bw = mem_bw or memory_bound_bw(hw)
+    mem_bw = mem_bw or memory_bound_bw(hw, None, ex)
     b = shape.microbatch_size(lay) or 1
     tokens, s, t, d, hd = b * shape.seq / lay.sp, shape.seq, lay.tp, model.d_model, model.hd
     q = model.n_heads * hd / t
@@ -134,13 +167,17 @@ def layer_time(
     ff = model.d_ff / t * (2 if model.mlp == "swiglu" else 1)
     mats = [(tokens, d, q + 2 * kv), (tokens, q, d), (tokens, d, ff), (tokens, model.d_ff / t, d)]
     peak = F8.gemm_peak(hw, lay)  # FP8's under layout.fp8 (jaxpar.planner.fp8)
-    secs, flops = zip(*(_matmul(hw, *x, peak) for x in mats), strict=True)
+    secs, flops = zip(*(_matmul(hw, *x, peak, ex) for x in mats), strict=True)
     eff = sum(flops) / sum(secs) / peak
     attn = _attention(model, hw, lay, ex, tokens, s, q, mem_bw)
     res = block_residuals(model, lay, s, "blockwise", "none")
     wc = DTYPE_BYTES[lay.compute_dtype]
     act_bytes = res.bytes(tokens, wc) - res.weights * wc
-    elementwise = (ex.elementwise_passes * act_bytes + F8.quant_bytes(model, lay, tokens)) / mem_bw
+    passes = ex.elementwise_passes
+    if ex.program_bytes:  # what XLA's fusions of jaxpar's layer move (frameworks.PROGRAM_BYTES)
+        sp_ring = lay.sequence_parallel and lay.tp > 1
+        passes = (PROGRAM_BYTES.sp_act_passes if sp_ring else PROGRAM_BYTES.act_passes) / 3
+    elementwise = (passes * act_bytes + F8.quant_bytes(model, lay, tokens)) / mem_bw
     recompute = 0.0  # forward work the backward re-runs
     compute = sum(secs) + attn + elementwise
     if lay.remat == "full":
@@ -155,13 +192,15 @@ def layer_time(
     ring = 0.0  # (no rings under FP8: GSPMD places its FP8 gathers)
     if lay.sequence_parallel and lay.tp > 1 and not crosses_nodes(hw, 1, lay.tp) and not F8.on(lay):
         ring = ex.ring_hidden
+    # a flash kernel's backward beyond twice its forward, as the time model prices it
+    extra = (FLASH_BACKWARD - 2) * attn if ex.kernels == "published" else 0.0
     return LayerTime(compute=compute, matmul=sum(secs) + attn, attention=attn, tp=tp, sp=sp,
                      efficiency=eff, recompute=recompute, overlap_tp=ex.overlap_tp,
-                     ring_hidden=ring)  # fmt: skip
+                     ring_hidden=ring, backward_extra=extra)  # fmt: skip
 
 
-def moe_ffn_delta(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape
-                  ) -> float:  # fmt: skip
+def moe_ffn_delta(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape,
+                  ex: Executor = JAXPAR) -> float:  # fmt: skip
     """Forward seconds a MoE block adds over the dense block :func:`layer_time` prices: the
     routed experts' einsums on every dispatch slot (padding included, :mod:`jaxpar.planner.
     moe`), the shared experts and the router, less the dense FFN."""
@@ -170,12 +209,16 @@ def moe_ffn_delta(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, sha
     slots = MOE.slots(model, b, shape.seq)
     e = model.moe
     f, shared = model.expert_ff / t, e.shared_experts * model.expert_ff / t
-    secs = _matmul(hw, slots, d, 2 * f)[0] + _matmul(hw, slots, f, d)[0]
+
+    def mm(m: float, k: float, n: float) -> float:
+        return _matmul(hw, m, k, n, None, ex)[0]
+
+    secs = mm(slots, d, 2 * f) + mm(slots, f, d)
     if shared:
-        secs += _matmul(hw, tokens, d, 2 * shared)[0] + _matmul(hw, tokens, shared, d)[0]
-    secs += _matmul(hw, tokens, d, e.experts)[0]
+        secs += mm(tokens, d, 2 * shared) + mm(tokens, shared, d)
+    secs += mm(tokens, d, e.experts)
     dense_f = model.d_ff / t
-    dense = _matmul(hw, tokens, d, 2 * dense_f)[0] + _matmul(hw, tokens, dense_f, d)[0]
+    dense = mm(tokens, d, 2 * dense_f) + mm(tokens, dense_f, d)
     return secs - dense
 
 
@@ -187,7 +230,7 @@ def head_time(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: 
     b = shape.microbatch_size(lay) or 1
     # the padded vocabulary when tp does not divide it (ModelConfig.padded_vocab)
     tokens, vocab = b * shape.seq / lay.sp, model.padded_vocab(lay.tp) / lay.tp
-    fwd, _ = _matmul(hw, tokens, model.d_model, vocab)
+    fwd, _ = _matmul(hw, tokens, model.d_model, vocab, None, ex)
     loss = 6 * tokens * vocab * 4 / mem_bw  # logits, softmax and its gradient in fp32
     again = ex.loss == "chunked" and shape.seq > ex.loss_chunk
     return (4 if again else 3) * fwd + loss
@@ -206,8 +249,9 @@ def action_costs(
     f = lt.forward
     bwd_comm = lt.backward_comm
     recompute = f if full else lt.recompute
-    b = 2 * lt.compute + bwd_comm + recompute
-    i = executor.i_cost * lt.compute + bwd_comm + (recompute if executor.recompute_in_i else 0)
+    b = lt.backward + bwd_comm + recompute
+    i = (executor.i_cost * lt.compute + lt.backward_extra + bwd_comm
+         + (recompute if executor.recompute_in_i else 0))  # fmt: skip
     return ActionCosts(b=b / f, i=i / f, w=executor.w_cost * lt.compute / f)
 
 
@@ -217,6 +261,24 @@ def optimizer_time(model: ModelConfig, lay: LayoutConfig, mem_bw: float) -> floa
         return 0.0
     held = param_counts(model, lay).held("optimizer")
     return OPTIMIZER_BYTES * held / mem_bw
+
+
+def weight_work(model: ModelConfig, lay: LayoutConfig, mem_bw: float, ex: Executor) -> float:
+    """Seconds jaxpar's compiled step (no pipeline) spends on its weights beyond the optimizer
+    update (:func:`optimizer_time`) and the activations: per local parameter of the blocks and
+    the head, :data:`~jaxpar.planner.frameworks.PROGRAM_BYTES`'s bytes for the ZeRO stage and
+    the micro-batches (weight slices and casts, weight-gradient writes and accumulation), less
+    the optimizer's ``OPTIMIZER_BYTES`` per parameter it updates, which those bytes include.
+    Zero for other executors and for pipelines (their tick program's weight work is
+    :func:`tick_weights`)."""
+    if not ex.program_bytes or lay.pp > 1:
+        return 0.0
+    pc = param_counts(model, lay)
+    stage = lay.zero if pc.zero_shards > 1 else 0  # one device in the dp group: nothing sharded
+    n = pc.blocks + pc.local_of("head")
+    per = PROGRAM_BYTES.weight_bytes(stage).per_param(lay.microbatches)
+    optimizer = 0.0 if lay.offload != "none" else OPTIMIZER_BYTES * pc.held("optimizer") / pc.local
+    return max(0.0, n * (per - optimizer)) / mem_bw
 
 
 def tick_params(model: ModelConfig, lay: LayoutConfig) -> float:
@@ -255,7 +317,7 @@ def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0, head=0.0, mem_b
         # long as its costliest rank's action): a cast in F and in I (or B), the gradient's
         # accumulation in W (or B). Its seconds are the tick_weights term; here it shapes the
         # schedule's makespan.
-        mem_bw = mem_bw or memory_bound_bw(hw, None)
+        mem_bw = mem_bw or memory_bound_bw(hw, None, ex)
         local = tick_params(model, lay) / mem_bw / f_stage
         cast, add = CAST_BYTES * local, ADD_BYTES * local
         costs = replace(costs, f=1.0 + cast, b=costs.b + cast + add, i=costs.i + cast,
@@ -279,14 +341,14 @@ def step_cost(
     """Cost terms of ``lay`` on ``hw`` (module docstring); ``elementwise`` replaces the GPU
     generation's ``elementwise_share`` (the fit of :mod:`jaxpar.planner.published`)."""
     executor = for_model(model, executor)
-    mem_bw = memory_bound_bw(hw, elementwise)
+    mem_bw = memory_bound_bw(hw, elementwise, executor)
     lt = layer_time(model, hw, lay, shape, executor, mem_bw)
     layers, m = model.n_layers // lay.pp, lay.microbatches
     head = head_time(model, hw, lay, shape, mem_bw, executor)
     costs = action_costs(lay, executor, lt)
     moe_fwd = 0.0  # this rank's MoE layers (a pipeline stage holds pp-th of them)
     if model.moe.enabled:
-        moe_fwd = model.moe_layers() // lay.pp * moe_ffn_delta(model, hw, lay, shape)
+        moe_fwd = model.moe_layers() // lay.pp * moe_ffn_delta(model, hw, lay, shape, executor)
     pf, bubble, pp_terms = _pipeline(model, hw, lay, shape, executor, lt, costs, moe_fwd, head,
                                      mem_bw)  # fmt: skip
     comm = [*CM.layer_terms(lt, layers * m, lay.remat == "full"), *pp_terms]
@@ -296,9 +358,10 @@ def step_cost(
         comm.append(CM.ep_term(model, hw, lay, shape))
     host = TR.host_traffic(model, lay, shape, activation_host_bytes)
     terms = {
-        "compute": m * (layers * 3 * lt.compute + 3 * moe_fwd + head),
+        "compute": m * (layers * (lt.compute + lt.backward) + 3 * moe_fwd + head),
         "recompute": m * (layers * lt.recompute + (moe_fwd if lay.remat == "full" else 0.0)),
         "optimizer": optimizer_time(model, lay, mem_bw),
+        "weights": weight_work(model, lay, mem_bw, executor),
         "tick_weights": tick_weights(model, lay, mem_bw, executor),
         "bubble": bubble,
         "offload": host / hw.host_to_device_bw,

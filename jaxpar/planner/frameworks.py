@@ -88,6 +88,20 @@ class Executor:
       micro-batch's backward (jaxpar: one ``psum``/``psum_scatter`` of the accumulator, after a
       pipeline's last tick too), so nothing in the backward hides it; ``False``: the framework
       reduces buckets during the backward (Megatron's and DeepSpeed's gradient buckets).
+    * ``kernels``: where the kernels' speeds come from. ``fitted``: the mesh file's matmul
+      curve, whose GPU ceiling (``matmul_share_max``) and memory-bound share
+      (``elementwise_share``) :mod:`jaxpar.planner.published` fitted on published runs — a
+      property of those frameworks' kernels and clusters (eager PyTorch, Megatron 2021 without
+      flash attention, NeMo), kept for their executors. ``published``: the time model's
+      published ceilings (:mod:`jaxpar.gpu.costs`: Bekman's measured matmul maximum, flash
+      attention's papers, each under the roofline; a flash backward 2.5x its forward) and
+      memory-bound work at the HBM peak, as :mod:`jaxpar.gpu.timing` costs jaxpar's compiled
+      program (:func:`for_target` on a GPU).
+    * ``program_bytes``: the memory-bound remainder is what XLA's fusions of jaxpar's own
+      program move (:data:`PROGRAM_BYTES`, measured on compiled programs), not
+      ``elementwise_passes`` alone: Megatron-SP's ring passes, the per-parameter weight work
+      (weight slices and casts, weight-gradient writes and their accumulation, the optimizer)
+      per micro-batch and per step (:func:`for_target` on a GPU).
     * ``sp_grads_per_layer``: the weight gradients' partial sums over ``sp`` are all-reduced
       per layer and micro-batch in the compute dtype (jaxpar: GSPMD places them at the weight
       matmuls, :func:`jaxpar.planner.comm.sp_grad_terms`); a framework with context
@@ -119,6 +133,8 @@ class Executor:
     ring_hidden: float = 0.0
     reduce_after_backward: bool = False
     zero3_window: float = 1.0
+    kernels: str = "fitted"
+    program_bytes: bool = False
 
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""
@@ -177,19 +193,83 @@ ZERO3_WINDOW = 0.2
 RING_HIDDEN = 0.68
 
 
+@dataclass(frozen=True)
+class WeightBytes:
+    """HBM bytes per local parameter of the blocks and the head that jaxpar's compiled step
+    moves for its weights at one ZeRO stage, beyond the activations: ``step`` once a step,
+    ``microbatch`` per micro-batch, ``loop`` once when there is a micro-batch loop (m > 1)."""
+
+    step: float
+    microbatch: float
+    loop: float = 0.0
+
+    def per_param(self, microbatches: int) -> float:
+        """Bytes per local parameter in a step of ``microbatches`` micro-batches."""
+        m = max(1, microbatches)
+        return self.step + m * self.microbatch + (self.loop if m > 1 else 0.0)
+
+
+@dataclass(frozen=True)
+class ProgramBytes:
+    """The memory-bound bytes of jaxpar's train step as XLA:GPU compiles it (no pipeline),
+    measured by ``scripts/calibrate_program_bytes.py`` (2026-12-07, main at 60b620d): llama3-8b's
+    layer shape compiled for h100-8 at 2 and 4 layers, each program simulated by the time model
+    (:mod:`jaxpar.gpu.timing`), the compute stream's memory-bound kernels summed, one layer's
+    bytes the difference over two. Not fitted to the grid of ``scripts/bench_gpu_grid.py``
+    (whose llama3-8b rows share this layer shape: they are not independent checks of it).
+
+    * ``act_passes``: a layer's bytes that grow with its micro-batch's tokens, forward and
+      backward, in units of its saved activations (``block_residuals``): 5.96 measured (1 and 2
+      sequences per device, dp 8), so the planner's ``3 × FUSED_PASSES`` = 6 stands;
+      ``sp_act_passes``: the same under Megatron-SP (tp 8): 15.1 — the collective matmul's
+      rings slice, pad and add their chunks through HBM.
+    * ``weights``: :class:`WeightBytes` per ZeRO stage, from 1, 2 and 4 micro-batches of one
+      sequence per device: ZeRO 0/1 slice each layer's fp32 weights out of the stack and cast
+      them, write each weight gradient into the stacked fp32 gradient and add it to the
+      accumulator, every micro-batch; ZeRO-3 does it on the gathered bf16 weights and the
+      gradient shards. ZeRO-2 takes ZeRO-1's figures (the two compile to the same program at
+      one micro-batch), and a stage whose dp group is one device ZeRO-0's (nothing to shard:
+      tp 8 + SP at ZeRO-1 over dp 1 measured 66.9 bytes per parameter at one micro-batch,
+      ZeRO-0 over dp 8 66.2). The optimizer update is inside these figures.
+    * ``loss_bytes``: bytes per logit of a micro-batch's loss, forward and backward (the
+      planner's six fp32 passes: 24).
+    """
+
+    act_passes: float = 5.96
+    sp_act_passes: float = 15.07
+    weights: tuple[tuple[int, WeightBytes], ...] = (
+        (0, WeightBytes(step=16.04, microbatch=50.13, loop=28.58)),
+        (1, WeightBytes(step=5.19, microbatch=50.13, loop=20.58)),
+        (3, WeightBytes(step=0.30, microbatch=18.18, loop=1.40)),
+    )
+    loss_bytes: float = 24.0
+
+    def weight_bytes(self, zero: int) -> WeightBytes:
+        """The figures of ZeRO stage ``zero`` (2 takes 1's)."""
+        table = dict(self.weights)
+        return table[1 if zero == 2 else zero]
+
+
+PROGRAM_BYTES = ProgramBytes()
+
+
 def for_target(hw, executor: Executor = JAXPAR) -> Executor:
     """``executor`` as XLA compiles jaxpar's step for ``hw`` (a
     :class:`~jaxpar.config.HardwareConfig`): on a GPU whose ``xla_flags`` pipeline the
     all-gather or reduce-scatter, ``zero3_layers`` = 1 (a llama2-70b dp 64 ZeRO-3 step on
     a100-64 compiles to 1.01x the planner with it, 1.08x without; a 4-layer d 512 model over
     h100-8 1.06x and 1.57x, ``tests/test_gpu_compile.py``); on every GPU the overlap the
-    compiled program has (``ZERO3_WINDOW``, ``RING_HIDDEN``). Published frameworks' executors
-    (not ``follows_model``) are returned unchanged."""
+    compiled program has (``ZERO3_WINDOW``, ``RING_HIDDEN``); and its kernels as the time model
+    costs the compiled program: ``kernels="published"`` (the ceilings of
+    :mod:`jaxpar.gpu.costs`, not the mesh curve fitted on published runs) and
+    ``program_bytes`` (:data:`PROGRAM_BYTES`). Published frameworks' executors (not
+    ``follows_model``) are returned unchanged: their fitted ceiling describes their runs."""
     if not executor.follows_model or hw.platform != "gpu":
         return executor
     pipelined = any(f in (hw.xla_flags or ()) for f in PIPELINED_COLLECTIVES)
     return executor.with_(zero3_layers=1.0 if pipelined else executor.zero3_layers,
-                          zero3_window=ZERO3_WINDOW, ring_hidden=RING_HIDDEN)  # fmt: skip
+                          zero3_window=ZERO3_WINDOW, ring_hidden=RING_HIDDEN,
+                          kernels="published", program_bytes=True)  # fmt: skip
 
 
 # XLA:GPU's latency-hiding scheduler plans for SCHEDULER_BASE of the device's memory less the

@@ -38,6 +38,12 @@ class LayerTime:
     recompute: float = 0.0  # forward work the backward re-runs (remat full: all of it)
     overlap_tp: float = 0.0  # share of the matmuls beside them that hides tp calls
     ring_hidden: float = 0.0  # share of the tp calls a collective matmul's rings hide
+    backward_extra: float = 0.0  # backward compute beyond twice the forward (flash kernels)
+
+    @property
+    def backward(self) -> float:
+        """Backward compute (no communication, no recompute)."""
+        return 2 * self.compute + self.backward_extra
 
     def hidden(self, axis: str, backward: bool = False) -> float:
         """Seconds of the ``axis`` ('tp' or 'sp') calls hidden behind the compute they are

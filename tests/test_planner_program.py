@@ -1,0 +1,84 @@
+"""The planner's kernels for jaxpar's own program on a GPU are the time model's (issue 46 item 5);
+the published frameworks keep the ceiling fitted on their runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxpar import config as C
+from jaxpar.gpu import costs
+from jaxpar.planner import cost as CO
+from jaxpar.planner.activations import block_residuals
+from jaxpar.planner.frameworks import PROGRAM_BYTES, for_model, for_target
+from jaxpar.planner.hardware import matmul_efficiency
+from jaxpar.planner.published_runs import RUNS, TORCHTITAN
+from jaxpar.planner.shapes import param_counts
+from jaxpar.planner.workload import Shape
+
+
+def _setup(**layout):
+    cfg = C.load("llama3-8b", "h100-8")
+    lay = dataclasses.replace(cfg.layout, **{"dp": 8, "tp": 1, "pp": 1, "zero": 1, **layout})
+    hw = cfg.mesh.hardware
+    return cfg.model, hw, lay, Shape(8 * lay.microbatches, 4096)
+
+
+def test_jaxpar_on_a_gpu_runs_at_the_time_models_ceiling_published_runs_at_the_fitted_one():
+    model, hw, lay, shape = _setup()
+    ex = for_target(hw, for_model(model))
+    assert ex.kernels == "published" and ex.program_bytes
+    # a large matmul: Bekman's measured H100 maximum (794.5 of 989 TFLOP/s), not the fitted 0.62
+    assert CO.matmul_share(hw, 8192, ex) == pytest.approx(794.5 / 989)
+    assert CO.matmul_share(hw, 8192, ex) == costs.matmul_share(hw, 8192)
+    fitted = CO.matmul_share(hw, 8192, TORCHTITAN)
+    assert fitted == matmul_efficiency(hw, 8192) and fitted < 0.65
+    lt = CO.layer_time(model, hw, lay, shape, ex)
+    assert lt.efficiency == pytest.approx(794.5 / 989, rel=0.02)
+    # a flash backward is 2.5 forwards (jaxpar.gpu.costs), on top of twice the layer's forward
+    assert lt.backward_extra == pytest.approx(0.5 * lt.attention)
+    # a published framework's executor is left as it is: its fitted ceiling describes its runs
+    assert for_target(hw, TORCHTITAN) is TORCHTITAN
+    assert all(not r.executor.follows_model for r in RUNS)
+    # on a CPU mesh nothing changes (no GPU program to price)
+    cpu = C.load("tiny", "cpu-8").mesh.hardware
+    assert for_target(cpu, for_model(model)).kernels == "fitted"
+
+
+def test_memory_bound_terms_by_hand():
+    model, hw, lay, shape = _setup()
+    ex = for_target(hw, for_model(model))
+    # the layer's memory-bound forward: 5.96 / 3 passes over its saved activations, HBM peak
+    lt = CO.layer_time(model, hw, lay, shape, ex)
+    res = block_residuals(model, lay, 4096, "blockwise", "none")
+    act = res.bytes(4096, 2) - res.weights * 2
+    assert lt.compute - lt.matmul == pytest.approx(5.96 / 3 * act / hw.hbm_bw)
+    # the weights: ZeRO-1 over dp 8, one micro-batch: 5.19 + 50.13 bytes per local parameter
+    # of the blocks and the head, less the optimizer's 30 bytes on an eighth of them
+    pc = param_counts(model, lay)
+    n = 32 * 218_112_000 + 525_336_576 + 4096  # the layers, the head and its norm
+    assert pc.blocks + pc.local_of("head") == n
+    want = n * (5.19 + 50.13 - 30 / 8) / hw.hbm_bw
+    assert CO.weight_work(model, lay, hw.hbm_bw, ex) == pytest.approx(want)
+    assert 0.10 < want < 0.13  # seconds on an H100
+    # four micro-batches: the loop's bytes once, the micro-batch's four times
+    lay4 = dataclasses.replace(lay, microbatches=4)
+    want4 = n * (5.19 + 4 * 50.13 + 20.58 - 30 / 8) / hw.hbm_bw
+    assert CO.weight_work(model, lay4, hw.hbm_bw, ex) == pytest.approx(want4)
+    # ZeRO-3: 0.30 + 18.18 per parameter (the gathered bf16 weights, the gradient shards)
+    lay3 = dataclasses.replace(lay, zero=3)
+    want3 = n * (0.30 + 18.18 - 30 / 8) / hw.hbm_bw
+    assert CO.weight_work(model, lay3, hw.hbm_bw, ex) == pytest.approx(want3)
+    # a dp group of one device shards nothing: ZeRO-1 is priced as ZeRO-0
+    lay1 = dataclasses.replace(lay, dp=1, tp=8, sequence_parallel=True)
+    n1 = param_counts(model, lay1).blocks + param_counts(model, lay1).local_of("head")
+    want1 = n1 * (16.04 + 50.13 - 30) / hw.hbm_bw
+    assert CO.weight_work(model, lay1, hw.hbm_bw, ex) == pytest.approx(want1)
+    # pipelines price their ticks' weight work instead; other executors none of it
+    assert CO.weight_work(model, dataclasses.replace(lay, pp=2), hw.hbm_bw, ex) == 0.0
+    assert CO.weight_work(model, lay, hw.hbm_bw, TORCHTITAN) == 0.0
+    # the step carries it as its own term
+    terms = CO.step_cost(model, hw, lay, shape, ex).terms
+    assert terms["weights"] == pytest.approx(want)
+    assert PROGRAM_BYTES.weight_bytes(2) == PROGRAM_BYTES.weight_bytes(1)
