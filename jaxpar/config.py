@@ -233,8 +233,11 @@ class LayoutConfig:
     compute_dtype: str = "float32"
     reduce_dtype: str = "float32"
     # FP8 GEMMs of the attention projections and the MLP (jaxpar.model.fp8): "none",
-    # "tensorwise" or "rowwise" (current scaling); needs compute_dtype bfloat16.
+    # "tensorwise" or "rowwise" (current scaling), "delayed" (scales from an amax history in the
+    # parameter tree); needs compute_dtype bfloat16.
     fp8: str = "none"
+    # Steps of amax history a delayed recipe's scales cover (1..254).
+    fp8_history: int = 16
     # Expert parallelism folded onto dp: routed experts sharded over groups of `ep` consecutive
     # dp ranks (jaxpar.model.moe); everything else stays data-parallel over them.
     ep: int = 1

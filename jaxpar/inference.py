@@ -158,6 +158,11 @@ def resolve(args: argparse.Namespace, layout_flags: tuple[str, ...], **layout: A
             f"{cfg.layout.n_devices}"
         )
     V.validate(cfg)
+    if cfg.layout.fp8 == "delayed":  # its forward quantizes with the weights' amax histories
+        from jaxpar.train.checkpointing import check_fp8_history
+
+        where = f"checkpoint step {step} in {ck}" if ck is not None else f"{hf_dir}"
+        check_fp8_history(meta if ck is not None else None, "delayed", where)
     return Source(cfg, ck, step, hf_dir, tok, data)
 
 
@@ -196,7 +201,7 @@ def load_params(src: Source, shardings: Any) -> Any:
     abstract = {
         "params": jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            Model(src.cfg.model).abstract(),
+            Model(src.cfg.model, fp8_history=src.cfg.layout.fp8 == "delayed").abstract(),
             shardings,
         )
     }

@@ -43,6 +43,7 @@ RECORDS: dict[str, dict[str, typed.Rule]] = {
         "diverged": typed.Rule(("str",), required=False),
         "moe_load": _NUMBERS,
         "moe_dropped": _NUMBERS,
+        "fp8_overflow": _COUNT,
     },
     "eval": {"step": _STEP, "eval_loss": typed.Rule(("float", "None"))},
     "start": {

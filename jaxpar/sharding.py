@@ -24,7 +24,7 @@ from jaxpar.config import LayoutConfig, ModelConfig
 LOGICAL_AXES = (
     "batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
     "act_seq", "attn_seq", "attn_heads", "attn_kv_heads", "stage", "experts", "expert_bias",
-    "sublayers",
+    "sublayers", "fp8_operand", "fp8_bucket",
 )  # fmt: skip
 """``act_seq``: the residual stream's sequence dim (``sp``, plus ``tp`` under Megatron-SP);
 ``seq``: the sequence dim inside a block, between column- and row-parallel matmuls (``sp``);
@@ -34,7 +34,9 @@ leading ``[pp]`` slot dim of a pipeline's stage-owned embedding and head
 (:mod:`jaxpar.pipeline.rest`); ``experts``: the routed-expert dim of MoE weights (``ep``);
 ``expert_bias``: the per-expert routing bias, replicated, never trained nor decayed
 (:mod:`jaxpar.model.moe`); ``sublayers``: the dense blocks' stack inside a MoE group, under
-the groups' ``layers`` (never sharded: the pipeline splits the groups)."""
+the groups' ``layers`` (never sharded: the pipeline splits the groups); ``fp8_operand`` and
+``fp8_bucket``: a delayed FP8 recipe's amax history ``[3, BUCKETS]`` per GEMM
+(:mod:`jaxpar.model.fp8`), replicated, never trained nor decayed, never split by ZeRO."""
 
 ATTENTION_MODES = ("local", "ulysses", "ring")
 
@@ -51,6 +53,10 @@ class Rules:
     tp: int = 1  # tensor-parallel degree (fused column-parallel weights are grouped by it)
     ep: int = 1  # expert-parallel degree (the routed experts' dim is split over it)
     fp8: str = "none"  # the linear layers' FP8 recipe (layout.fp8, jaxpar.model.fp8)
+    fp8_history: int = 16  # steps of amax history of a delayed recipe (layout.fp8_history)
+    # Inside the gradient region (jaxpar.train.context): the micro-batches each loss there is
+    # the mean over, so its cotangents are that many times the step's (jaxpar.model.fp8).
+    loss_microbatches: int = 1
 
     def lookup(self, logical: str | None) -> MeshAxes:
         """Mesh axes a logical axis maps to (first matching rule wins)."""
@@ -132,6 +138,7 @@ def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
         tp=tp,
         ep=layout.ep,
         fp8=layout.fp8,
+        fp8_history=layout.fp8_history,
     )
 
 
@@ -221,7 +228,8 @@ def zero_spec(
 ) -> P:  # fmt: skip
     """Add ``axis`` (``dp``) to ``spec`` on the largest dimension that can take it.
 
-    Eligible dimensions are not ``layers``/``sublayers`` (the layer scans slice them), not
+    Eligible dimensions are not ``layers``/``sublayers`` (the layer scans slice them) nor an
+    FP8 amax history's ``fp8_bucket`` (a few hundred bytes per GEMM, read whole), not
     already sharded, and divisible by ``dp`` times their existing shards. A tensor with no
     eligible dimension (e.g. a small norm scale) stays replicated over ``dp``; its bytes are
     negligible and :mod:`jaxpar.analysis` counts it exactly.
@@ -243,7 +251,7 @@ def zero_spec(
             return P(*parts)
     best = None
     for i, (size, logical) in enumerate(zip(shape, logical_axes, strict=True)):
-        if logical in ("layers", "sublayers") or parts[i] is not None or size % dp:
+        if logical in ("layers", "sublayers", "fp8_bucket") or parts[i] is not None or size % dp:
             continue
         if logical == "experts":  # the leading dim of an expert stack: see the docstring
             best = i

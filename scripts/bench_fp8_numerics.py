@@ -1,11 +1,12 @@
 """FP8 numerics held to bf16: the same training run with bf16 GEMMs and with each FP8 recipe.
 
-For two model sizes, ``jaxpar train`` runs three times from the same seed (same init, same
+For two model sizes, ``jaxpar train`` runs once per recipe from the same seed (same init, same
 data order; the held-out batches are the same for every seed), one device, no remat,
 ``--compute-dtype bfloat16``:
-``--fp8 none`` (the bf16 reference), ``--fp8 tensorwise`` and ``--fp8 rowwise``
-(:mod:`jaxpar.model.fp8`). On CPU the FP8 products are emulated exactly by XLA:CPU, so the
-figures are an FP8 GPU's numerics (not its speed). Models:
+``--fp8 none`` (the bf16 reference), ``--fp8 tensorwise``, ``--fp8 rowwise`` and
+``--fp8 delayed`` (:mod:`jaxpar.model.fp8`; ``--recipes`` picks some, bf16 always runs). On
+CPU the FP8 products are emulated exactly by XLA:CPU, so the figures are an FP8 GPU's numerics
+(not its speed). Models:
 
 * ``tiny``: ``models/tiny.yaml`` (4 layers, d 256, 8/4 heads, FFN 768, 3.3 M parameters),
   300 steps of 8 × 128 tokens;
@@ -62,7 +63,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 
-RECIPES = ("none", "tensorwise", "rowwise")  # "none": bf16 GEMMs, the reference
+RECIPES = ("none", "tensorwise", "rowwise", "delayed")  # "none": bf16 GEMMs, the reference
 TOLERANCE = 0.02  # |held-out loss - bf16's| / bf16's
 DIVERGE_RATIO = 1.25  # a loss above this × bf16's at the same step counts as diverged
 
@@ -167,7 +168,8 @@ def _mean_sd(xs: list[float]) -> tuple[float | None, float | None]:
 def summarize(rows: list[dict], model: str) -> list[dict]:
     """Per recipe of ``model``: held-out loss over the seeds and the gap to bf16 (docstring)."""
     by = {r: [x for x in rows if x["model"] == model and x["recipe"] == r]
-          for r in ("bf16", *RECIPES[1:])}  # fmt: skip
+          for r in ("bf16", *RECIPES[1:])
+          if r == "bf16" or any(x["recipe"] == r for x in rows)}  # fmt: skip
     ref_mean, ref_sd = _mean_sd([x["eval_loss"] for x in by["bf16"] if _finite(x["eval_loss"])])
     n_ref = sum(_finite(x["eval_loss"]) for x in by["bf16"])
     out = []
@@ -202,6 +204,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="steps of every run (0: per model)")
     ap.add_argument("--seed", type=int, default=0, help="the first seed")
     ap.add_argument("--seeds", type=int, default=1, help="seeds per run: --seed .. --seed+N-1")
+    ap.add_argument("--recipes", default=",".join(RECIPES[1:]),
+                    help=f"FP8 recipes beside bf16, of {list(RECIPES[1:])}")  # fmt: skip
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -210,6 +214,9 @@ def main() -> None:
     tree = Path(args.tree).resolve()
     if args.seeds < 1:
         ap.error("--seeds: at least 1")
+    args.recipes = [r for r in args.recipes.split(",") if r]
+    if bad := [r for r in args.recipes if r not in RECIPES[1:]]:
+        ap.error(f"--recipes: {bad[0]!r} is not one of {list(RECIPES[1:])}")
     seeds = list(range(args.seed, args.seed + args.seeds))
     t_start = time.perf_counter()
 
@@ -249,7 +256,7 @@ def main() -> None:
         }  # fmt: skip
         for seed in seeds:
             ref = None
-            for recipe in RECIPES:
+            for recipe in ("none", *args.recipes):
                 argv = command(name, recipe, seed, args)
                 run = train(argv, tree, args.timeout)
                 if recipe == "none":

@@ -71,6 +71,7 @@ def make_cfg():
 # handed out are the short ones. A stale list only costs balance, never a test.
 SLOW_FIRST = (
     "test_docs.py", "test_attention.py", "test_gpu_compile.py", "test_pipeline.py", "test_fp8.py",
+    "test_fp8_delayed.py",
     "test_moe_ragged.py", "test_moe.py", "test_grad_path.py", "test_moe_pipeline.py",
     "test_survive.py", "test_harden.py", "test_install.py", "test_tpsp.py", "test_zero.py",
     "test_planner.py", "test_moe_decode.py", "test_pods.py", "test_plan_verify.py",

@@ -42,7 +42,7 @@ def _q(t, axes, dtype):
     return q * s  # the dequantized operand: its product equals the scaled FP8 product
 
 
-@pytest.mark.parametrize("recipe", list(fp8.RECIPES))
+@pytest.mark.parametrize("recipe", [r for r, v in fp8.RECIPES.items() if not v.delayed])
 def test_product_and_gradients_follow_the_recipe(recipe):
     """``y``, ``dx`` and ``dW`` of :func:`fp8.tensordot` equal fp32 products of operands
     quantized as the recipe says: e4m3 forward, the recipe's format for ``dy``, scales per

@@ -47,8 +47,8 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "remat": ("layout.remat", str, "none | full | selective | offload"),
     "offload": ("layout.offload", str, "none | optimizer | params"),
     "compute_dtype": ("layout.compute_dtype", str, "float32 | bfloat16"),
-    "fp8": ("layout.fp8", str, "none | tensorwise | rowwise: FP8 GEMMs in the attention "
-            "projections and MLP (needs --compute-dtype bfloat16)"),
+    "fp8": ("layout.fp8", str, "none | tensorwise | rowwise | delayed: FP8 GEMMs in the "
+            "attention projections and MLP (needs --compute-dtype bfloat16)"),
     "profile_steps": ("train.profile_steps", str, "A:B: write a jax.profiler trace of steps A..B"),
     "profile_dir": ("train.profile_dir", str, "directory of the profiler trace"),
     "init_from_hf": ("train.init_from_hf", str, "start from a Hugging Face Llama directory"),

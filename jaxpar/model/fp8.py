@@ -11,13 +11,17 @@ an FP8 ``dot`` in the program (``f8e4m3fn``/``f8e5m2`` operands, ``f32`` result)
 runs on Hopper's FP8 tensor cores and XLA:CPU emulates exactly (the FP8 values are products of
 small integers and powers of two, fp32 accumulation), so a CPU run has the GPU's numerics.
 
-Recipes (both "current" scaling: the scale comes from the tensor being quantized):
+Recipes ("current" scaling takes the scale from the tensor being quantized, "delayed" from
+the amax of the same tensor in earlier steps):
 
 ==========  =====================================================  ==========================
 recipe      scale of each operand                                  formats (forward/backward)
 ==========  =====================================================  ==========================
 tensorwise  one per tensor: amax over the whole tensor / format max e4m3 / e5m2 gradients
 rowwise     one per row of the non-contracted axes of that GEMM     e4m3 / e4m3
+delayed     one per tensor: the largest tensorwise scale of the     e4m3 / e5m2 gradients
+            last ``layout.fp8_history`` steps (Transformer
+            Engine's delayed scaling, "max" of the amax history)
 ==========  =====================================================  ==========================
 
 Why those formats: a tensorwise scale must cover every value of the gradient tensor at once,
@@ -42,12 +46,13 @@ so the backward re-quantizes its saved operands without a second amax.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxpar.model.names import fp8_scale
 from jaxpar.sharding import active_rules, constrain
@@ -58,24 +63,35 @@ E5M2 = jnp.float8_e5m2
 
 @dataclass(frozen=True)
 class Recipe:
-    """One FP8 recipe: the gradients' format and whether scales are per row."""
+    """One FP8 recipe: the gradients' format, whether scales are per row, and for delayed
+    scaling the steps of amax history its scales cover (0: current scaling)."""
 
     name: str
     grad_dtype: Any  # the format of the backward's incoming gradient dy
     rowwise: bool
+    history: int = 0  # delayed scaling: steps of history (layout.fp8_history)
+
+    @property
+    def delayed(self) -> bool:
+        return self.history > 0
 
 
 RECIPES: dict[str, Recipe] = {
     "tensorwise": Recipe("tensorwise", E5M2, rowwise=False),
     "rowwise": Recipe("rowwise", E4M3, rowwise=True),
+    "delayed": Recipe("delayed", E5M2, rowwise=False, history=16),
 }
 NAMES = ("none", *RECIPES)  # layout.fp8's values
 
 
 def active() -> Recipe | None:
-    """The recipe of the active rules (``layout.fp8``), or None for bf16/fp32 GEMMs."""
+    """The recipe of the active rules (``layout.fp8``, with ``layout.fp8_history`` for delayed
+    scaling), or None for bf16/fp32 GEMMs."""
     rules = active_rules()
-    return RECIPES.get(rules.fp8) if rules is not None else None
+    recipe = RECIPES.get(rules.fp8) if rules is not None else None
+    if recipe is not None and recipe.delayed:
+        recipe = replace(recipe, history=rules.fp8_history)
+    return recipe
 
 
 def _batch_axes() -> tuple[str, ...]:
@@ -146,9 +162,8 @@ def _scatter(y: jax.Array) -> jax.Array:
     return constrain(y, _STREAM)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def tensordot(x: jax.Array, w: jax.Array, n: int, recipe: Recipe, stream: str = ""
-              ) -> jax.Array:  # fmt: skip
+def tensordot(x: jax.Array, w: jax.Array, n: int, recipe: Recipe, stream: str = "",
+              history: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """``jnp.tensordot(x, w, n)`` (``x``'s last ``n`` axes against ``w``'s first ``n``) as an
     FP8 GEMM of ``recipe``, in ``x``'s dtype; ``x``'s leading axes are batch and sequence.
 
@@ -158,7 +173,20 @@ def tensordot(x: jax.Array, w: jax.Array, n: int, recipe: Recipe, stream: str = 
     and again for the weight gradient), and ``dx`` is reduce-scattered back at its dot.
     ``"out"``: the output goes to the stream (a row-parallel matmul): reduce-scattered at the
     dot, and the incoming gradient is quantized on its shard and gathered as FP8 for both
-    backward GEMMs. ``""``: no layout change. An FP8 gather moves half a bf16 one's bytes."""
+    backward GEMMs. ``""``: no layout change. An FP8 gather moves half a bf16 one's bytes.
+
+    ``history``: this GEMM's amax history (:class:`History`, ``[3, BUCKETS]``), which a
+    delayed recipe needs and the others ignore."""
+    if recipe.delayed:
+        if history is None:
+            raise ValueError(f"layout.fp8={recipe.name!r}: this GEMM has no amax history")
+        return _delayed(x, w, history, n, recipe, stream)
+    return _current(x, w, n, recipe, stream)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _current(x: jax.Array, w: jax.Array, n: int, recipe: Recipe, stream: str) -> jax.Array:
+    """:func:`tensordot` with current scaling (tensorwise, rowwise)."""
     return _forward(x, w, n, recipe, stream)[0]
 
 
@@ -216,7 +244,145 @@ def _tensordot_bwd(n, recipe, stream, res, dy):
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-tensordot.defvjp(_tensordot_fwd, _tensordot_bwd)
+_current.defvjp(_tensordot_fwd, _tensordot_bwd)
+
+
+# ---- delayed scaling: scales from the amax of earlier steps ---------------------------------
+#
+# Each FP8 GEMM of a delayed recipe owns a history leaf ``[3, BUCKETS]`` (operands x, w, dy)
+# in the parameter tree, so every layout's machinery carries it as it carries the weights:
+# the layer scan slices it, ZeRO and the pipeline place it, checkpoints save it and restore
+# it onto other layouts. Bucket ``b`` stands for the power-of-two scale ``2**(b + K_LO)``
+# that current (tensorwise) scaling would give an operand (:func:`_scale`); a leaf's value at
+# ``b`` is the number of steps since an operand needed that scale (``NEVER``: not within
+# reach). The forward and backward quantize with the largest scale needed within the last
+# ``history`` steps — no amax on the GEMM's critical path — and the backward returns, as the
+# leaf's "gradient", a one-hot of the scale each operand needed in this micro-batch. Summed
+# over micro-batches, layers' uses and data-parallel ranks by the ordinary gradient path (the
+# union of what any rank saw, whose largest bucket is the whole batch's amax: so every layout
+# keeps the same history as one device), it is folded into the ages after the optimizer
+# step (:func:`advance`), which never sees these leaves as trainable.
+
+BUCKETS = 254  # power-of-two scales 2**-126 .. 2**127: fp32's normal range
+K_LO = -126
+NEVER = 255.0  # an age past any history (ages are small integers: exact in bf16 too)
+OPERANDS = ("x", "w", "dy")
+
+
+class History(nnx.Variable):
+    """An FP8 GEMM's amax history under a delayed recipe (``[3, BUCKETS]`` steps since each
+    power-of-two scale was needed, per operand): not trained by gradient (:func:`advance`)."""
+
+
+def history_init() -> jax.Array:
+    """An empty history: no scale needed yet (the first step quantizes at scale 1)."""
+    return jnp.full((len(OPERANDS), BUCKETS), NEVER, jnp.float32)
+
+
+def _needed(t: jax.Array, dtype: Any, per: float = 1.0) -> jax.Array:
+    """The bucket (exponent - K_LO) of the power-of-two scale current scaling gives ``t / per``,
+    and whether it has one (a finite, nonzero amax)."""
+    amax = jnp.max(jnp.abs(t)).astype(jnp.float32) / per
+    mant, exp = jnp.frexp(amax / float(jnp.finfo(dtype).max))
+    b = jnp.clip(exp - (mant == 0.5).astype(exp.dtype) - K_LO, 0, BUCKETS - 1)
+    return b, (amax > 0) & jnp.isfinite(amax)
+
+
+def _record(t: jax.Array, dtype: Any, per: float = 1.0) -> jax.Array:
+    """One-hot ``[BUCKETS]`` of the scale ``t / per`` needs (zeros for an all-zero tensor)."""
+    b, ok = _needed(t, dtype, per)
+    return jax.nn.one_hot(b, BUCKETS, dtype=jnp.float32) * ok
+
+
+def hist_bucket(age: jax.Array, history: int) -> jax.Array:
+    """The largest bucket needed within the last ``history`` steps (-1: none), over the last
+    axis of ``age``."""
+    seen = age < history
+    return jnp.max(jnp.where(seen, jnp.arange(BUCKETS), -1), axis=-1)
+
+
+def _hist_scale(age: jax.Array, history: int) -> jax.Array:
+    """The fp32 scale a delayed recipe quantizes with: ``2**(bucket + K_LO)``, 1 when the
+    history is empty."""
+    b = hist_bucket(age, history)
+    return jnp.where(b >= 0, jnp.ldexp(jnp.float32(1), b + K_LO), 1.0)
+
+
+def advance(age: jax.Array, counts: jax.Array) -> jax.Array:
+    """The ages after a step whose summed one-hots are ``counts``: 0 where a scale was needed,
+    one step older (at most :data:`NEVER`) elsewhere."""
+    return jnp.where(counts > 0, 0.0, jnp.minimum(age + 1, NEVER)).astype(age.dtype)
+
+
+def overflows(age: jax.Array, counts: jax.Array, history: int) -> jax.Array:
+    """How many operands needed a larger scale this step than their history gave: their values
+    beyond the format's range at the scale used were clipped (the count :func:`advance`'s
+    step reports). An empty history quantized at scale 1 (bucket ``-K_LO``)."""
+    b = hist_bucket(age, history)
+    used = jnp.where(b >= 0, b, -K_LO)
+    cur = jnp.max(jnp.where(counts > 0, jnp.arange(BUCKETS), -1), axis=-1)
+    return jnp.sum(cur > used)
+
+
+def _cotangent_scale() -> float:
+    """How many times the step's mean-loss gradient a cotangent here is: the losses of the
+    gradient region are each rank's own mean (the data-parallel ranks' count) over each
+    micro-batch (``Rules.loss_microbatches``); 1 outside it."""
+    rules = active_rules()
+    n = rules.loss_microbatches if rules is not None else 1
+    mesh = jax.sharding.get_abstract_mesh()
+    for a in _batch_axes():
+        n *= mesh.shape[a]
+    return float(n)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _delayed(x, w, history, n: int, recipe: Recipe, stream: str) -> jax.Array:
+    """:func:`tensordot` with delayed scaling: tensorwise formats, scales from ``history``."""
+    return _delayed_fwd(x, w, history, n, recipe, stream)[0]
+
+
+def _delayed_fwd(x, w, history, n, recipe, stream):
+    cx, cw = tuple(range(x.ndim - n, x.ndim)), tuple(range(n))
+    if stream == "in":
+        x = constrain(x, _STREAM)
+    sx = fp8_scale(_hist_scale(history[0], recipe.history))
+    sw = fp8_scale(_hist_scale(history[1], recipe.history))
+    qx = _quantize(x, sx, E4M3)
+    y = _dot(_gather(qx) if stream == "in" else qx, _quantize(w, sw, E4M3), cx, cw, x.dtype)
+    if stream == "out":
+        y = _scatter(y)
+    return (y * (sx * sw)).astype(x.dtype), (x, w, history)
+
+
+def _delayed_bwd(n, recipe, stream, res, dy):
+    x, w, history = res
+    lead = x.ndim - n
+    dlead, dout, wout = tuple(range(lead)), tuple(range(lead, dy.ndim)), tuple(range(n, w.ndim))
+    g = recipe.grad_dtype
+    if stream == "out":
+        dy = constrain(dy, _STREAM)
+    # dy is the gradient of this region's loss, ``per`` times the step's mean loss's (a
+    # rank's and a micro-batch's own mean): its history holds the step's, so that every
+    # layout keeps one device's (per is a power of two on the usual layouts: exact).
+    per = _cotangent_scale()
+    sx, sw = (_hist_scale(history[i], recipe.history) for i in range(2))
+    sdy = _hist_scale(history[2], recipe.history) * per
+    qdy = _quantize(dy, sdy, g)
+    qdy_full = _gather(qdy) if stream == "out" else qdy
+    dx = _dot(qdy_full, _quantize(w, sw, E4M3), dout, wout, x.dtype)
+    if stream == "in":
+        dx = _scatter(dx)
+    qx = _quantize(x, sx, E4M3)
+    dw = _dot(_gather(qx) if stream == "in" else qx, qdy_full, dlead, dlead, w.dtype)
+    # The history's cotangent: the scale each operand needed here (GSPMD reduces each amax
+    # over the tp/sp shards; the data-parallel ranks' one-hots are summed with the gradients).
+    seen = [_record(x, E4M3), _record(w, E4M3), _record(dy, g, per)]
+    seen = jnp.stack(seen).astype(history.dtype)
+    return (dx * (sdy * sw)).astype(x.dtype), (dw * (sx * sdy)).astype(w.dtype), seen
+
+
+_delayed.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 # ---- the routed experts: one GEMM per expert ------------------------------------------------

@@ -98,7 +98,8 @@ def _project_bwd(res, dy):
 project.defvjp(_project_fwd, _project_bwd)
 
 
-def column_parallel(x_BxSxD: jax.Array, w_DxN: jax.Array, matmul=project) -> jax.Array:
+def column_parallel(x_BxSxD: jax.Array, w_DxN: jax.Array, matmul=project,
+                    history: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """A column-parallel matmul of the residual stream ``x`` (``w``'s axis 1 on tp):
     :func:`gather_sequence` then :func:`project`; under Megatron-SP (tp > 1) the collective
     matmul instead (:func:`jaxpar.model.collective_matmul.column_parallel`: the all-gather as a
@@ -108,9 +109,10 @@ def column_parallel(x_BxSxD: jax.Array, w_DxN: jax.Array, matmul=project) -> jax
 
     Under an FP8 recipe (``layout.fp8``) the product is :func:`jaxpar.model.fp8.tensordot`,
     which quantizes ``x`` on its sequence shard and gathers the FP8 values (Megatron-SP's
-    all-gather at half the bytes, placed by GSPMD: not the ring)."""
+    all-gather at half the bytes, placed by GSPMD: not the ring); ``history``: its amax
+    history under a delayed recipe."""
     if (recipe := fp8.active()) is not None:
-        return fp8.tensordot(x_BxSxD, w_DxN, 1, recipe, "in")
+        return fp8.tensordot(x_BxSxD, w_DxN, 1, recipe, "in", history)
     ax = cm.axes(x_BxSxD.shape[1])
     if ax is None:
         return matmul(gather_sequence(x_BxSxD), w_DxN)
@@ -121,7 +123,8 @@ def column_parallel(x_BxSxD: jax.Array, w_DxN: jax.Array, matmul=project) -> jax
     return projected(cm.column_parallel(x_BxSxD, w_DxN, ax))
 
 
-def row_parallel(h: jax.Array, w: jax.Array, n: int) -> jax.Array:
+def row_parallel(h: jax.Array, w: jax.Array, n: int, history: jax.Array | None = None
+                 ) -> jax.Array:  # fmt: skip
     """A row-parallel matmul ``tensordot(h, w, n)`` (``h``'s axis 2 and ``w``'s axis 0 on tp)
     onto the residual stream's layout: :func:`scatter_sequence` of the partial sums; under
     Megatron-SP (tp > 1) the collective matmul instead
@@ -129,9 +132,10 @@ def row_parallel(h: jax.Array, w: jax.Array, n: int) -> jax.Array:
     accumulator travels while each rank multiplies its next chunk). Under an FP8 recipe the
     product is :func:`jaxpar.model.fp8.tensordot`, reduce-scattered at its dot and its
     cotangent gathered as FP8 (its output named, as the ring's, for the policies that keep dot
-    outputs: its dot is inside a VJP)."""
+    outputs: its dot is inside a VJP); ``history``: its amax history under a delayed
+    recipe."""
     if (recipe := fp8.active()) is not None:
-        return projected(fp8.tensordot(h, w, n, recipe, "out"))
+        return projected(fp8.tensordot(h, w, n, recipe, "out", history))
     ax = cm.axes(h.shape[1])
     if ax is None:
         return scatter_sequence(jnp.tensordot(h, w, n))
@@ -139,6 +143,20 @@ def row_parallel(h: jax.Array, w: jax.Array, n: int) -> jax.Array:
     # sequence-sharded) output only by this name, as it keeps the plain path's dot output;
     # unkept, the backward re-ran the forward ring (tp bytes 1.18 -> 1.28x the planner's).
     return projected(cm.row_parallel(h, w, n, ax))
+
+
+def _histories(module: nnx.Module, names: tuple[str, ...]) -> None:
+    """One amax history per FP8 GEMM of ``module`` (``layout.fp8='delayed'``), as attributes
+    ``fp8_<name>``: ``[3, BUCKETS]`` leaves in the parameter tree (:mod:`jaxpar.model.fp8`)."""
+    for name in names:
+        hist = fp8.History(fp8.history_init(), logical_axes=("fp8_operand", "fp8_bucket"))
+        setattr(module, f"fp8_{name}", hist)
+
+
+def _history(module: nnx.Module, name: str) -> jax.Array | None:
+    """The amax history of ``module``'s GEMM ``name``, None without one."""
+    hist = getattr(module, f"fp8_{name}", None)
+    return None if hist is None else hist[...]
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -200,7 +218,7 @@ class Attention(nnx.Module):
     calls :meth:`qkv` and :meth:`out` around its own core.
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, fp8_history: bool = False):
         d, h, k, dh, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.init_std
         self.wq = nnx.Param(
             _normal(rngs, (d, h, dh), std), logical_axes=("embed", "heads", "head_dim")
@@ -219,6 +237,8 @@ class Attention(nnx.Module):
         self.theta = cfg.rope_theta
         self.max_len = cfg.max_seq_len  # rows of the rotary tables
         self.attention, self.block = cfg.attention, cfg.attention_block
+        if fp8_history:  # layout.fp8='delayed': the QKV and output GEMMs' amax histories
+            _histories(self, ("qkv", "out"))
 
     def __call__(
         self, x_BxSxD: jax.Array, positions_S: jax.Array, attend: Attend | None = None
@@ -255,7 +275,7 @@ class Attention(nnx.Module):
         # the residual stream's `act_seq` (on tp too under Megatron-SP) becomes `seq` (sp only):
         # with SP a collective matmul (the all-gather overlapped), else a plain one.
         w = _fused_columns([self.wq[...], wk, wv], tp, dt, ("embed", "heads", None, "head_dim"))
-        y = constrain(projected(column_parallel(x_BxSxD, w)),
+        y = constrain(projected(column_parallel(x_BxSxD, w, history=_history(self, "qkv"))),
                       ("batch", "seq", "heads", None, "head_dim"))  # fmt: skip
         nq, nk = h // tp, kvh * r // tp
         q, k, v = (
@@ -281,7 +301,8 @@ class Attention(nnx.Module):
         # Row-parallel: contracting the tp-sharded heads gives partial sums -> one all-reduce
         # over tp (a reduce-scatter onto the sequence shards under Megatron-SP, overlapped
         # with the matmul as a collective matmul).
-        return row_parallel(o_BxSxHxDh, weight(self.wo[...].astype(o_BxSxHxDh.dtype)), 2)
+        wo = weight(self.wo[...].astype(o_BxSxHxDh.dtype))
+        return row_parallel(o_BxSxHxDh, wo, 2, _history(self, "out"))
 
     def implementation(self, dtype, head_dim: int) -> str:
         """The attention implementation this layer runs (:func:`attention.resolve`)."""
@@ -310,7 +331,8 @@ def _fused_columns(ws: list[jax.Array], tp: int, dt, logical: tuple) -> jax.Arra
 class MLP(nnx.Module):
     """SwiGLU (Shazeer 2020) or GELU feed-forward; up column-parallel, down row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None,
+                 fp8_history: bool = False):  # fmt: skip
         d, f, std = cfg.d_model, d_ff or cfg.d_ff, cfg.init_std
         self.kind = cfg.mlp
         if cfg.mlp == "swiglu":
@@ -319,6 +341,8 @@ class MLP(nnx.Module):
         self.w_down = nnx.Param(
             _normal(rngs, (f, d), std / (2 * cfg.n_layers) ** 0.5), logical_axes=("mlp", "embed")
         )
+        if fp8_history:  # layout.fp8='delayed': the up and down GEMMs' amax histories
+            _histories(self, ("up", "down"))
 
     def __call__(self, x_BxSxD: jax.Array, gathered: bool = False) -> jax.Array:
         """``gathered``: ``x`` already has its whole sequence (a MoE block's shared experts,
@@ -329,9 +353,9 @@ class MLP(nnx.Module):
         # (collective matmul, see Attention), else a plain matmul.
         def up(x, w, matmul=project):
             if not gathered:
-                return column_parallel(x, w, matmul)
+                return column_parallel(x, w, matmul, _history(self, "up"))
             if (recipe := fp8.active()) is not None:  # FP8 GEMM on the gathered input
-                return fp8.tensordot(gather_sequence(x), w, 1, recipe)
+                return fp8.tensordot(gather_sequence(x), w, 1, recipe, "", _history(self, "up"))
             return matmul(gather_sequence(x), w)
 
         if self.kind == "swiglu":
@@ -348,4 +372,4 @@ class MLP(nnx.Module):
         h_BxSxF = constrain(h_BxSxF, ("batch", "seq", "mlp"))
         # Row-parallel: all-reduce over tp (under SP a reduce-scatter onto sequence shards,
         # overlapped with the matmul as a collective matmul).
-        return row_parallel(h_BxSxF, weight(self.w_down[...].astype(dt)), 1)
+        return row_parallel(h_BxSxF, weight(self.w_down[...].astype(dt)), 1, _history(self, "down"))

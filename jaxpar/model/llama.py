@@ -192,10 +192,11 @@ class _MoeGroup(nnx.Module):
 
 
 class _Full(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, fp8_history: bool = False):
         self.embed = Embed(cfg, rngs)
         if cfg.dense_prefix():
-            self.layers = _stack(lambda r: Block(cfg, r), rngs.params(), cfg.dense_prefix())
+            block = lambda r: Block(cfg, r, fp8_history=fp8_history)  # noqa: E731
+            self.layers = _stack(block, rngs.params(), cfg.dense_prefix())
         if cfg.moe.enabled:
             groups = cfg.moe_layers()
             self.moe_layers = _stack(lambda r: _MoeGroup(cfg, r), rngs.params(), groups)
@@ -211,17 +212,19 @@ def _logical(state: nnx.State) -> Any:
 
 
 class Model:
-    """Functional view of the decoder for one :class:`ModelConfig`."""
+    """Functional view of the decoder for one :class:`ModelConfig`; ``fp8_history``: its dense
+    blocks carry the amax histories of a delayed FP8 recipe (``layout.fp8='delayed'``,
+    :mod:`jaxpar.model.fp8`), leaves ``fp8_*`` of the parameter tree."""
 
-    def __init__(self, cfg: ModelConfig):
-        self.cfg = cfg
-        abstract = nnx.eval_shape(lambda: _Full(cfg, nnx.Rngs(params=0)))
+    def __init__(self, cfg: ModelConfig, fp8_history: bool = False):
+        self.cfg, self.fp8_history = cfg, fp8_history
+        abstract = nnx.eval_shape(lambda: _Full(cfg, nnx.Rngs(params=0), fp8_history))
         _, state = nnx.split(abstract)
         self._abstract_state = state
         self._defs: dict[str, tuple[Any, nnx.State]] = {}
         for name, factory in (
             ("embed", lambda: Embed(cfg, nnx.Rngs(params=0))),
-            ("block", lambda: Block(cfg, nnx.Rngs(params=0))),
+            ("block", lambda: Block(cfg, nnx.Rngs(params=0), fp8_history=fp8_history)),
             ("moe_block", lambda: Block(cfg, nnx.Rngs(params=0), moe=cfg.moe.enabled)),
             ("head", lambda: Head(cfg, nnx.Rngs(params=0))),
         ):
@@ -232,7 +235,7 @@ class Model:
     def init(self, key: jax.Array) -> Params:
         """Initial parameters (fp32). Jit it with ``out_shardings`` to create them sharded;
         with partitionable threefry the values do not depend on the sharding."""
-        return nnx.to_pure_dict(nnx.state(_Full(self.cfg, nnx.Rngs(params=key))))
+        return nnx.to_pure_dict(nnx.state(_Full(self.cfg, nnx.Rngs(params=key), self.fp8_history)))
 
     def abstract(self) -> Params:
         """Shape/dtype tree of the parameters."""

@@ -83,12 +83,19 @@ def amax_calls(model: ModelConfig, lay: LayoutConfig, tokens: float) -> dict[str
     * **rowwise** — dp: the weight-gradient GEMMs' per-column scales of their two operands
       (8, backward, vectors of the feature width); tp: the rows whose contraction is split over
       tp (forward: the row-parallel inputs and weights; backward: the column-parallel
-      gradients and weights, and under SP the stream operands' columns)."""
+      gradients and weights, and under SP the stream operands' columns).
+    * **delayed** — scales come from the amax history; the backward takes each operand's amax
+      for it, off the GEMMs' path: tp only, the operands split over tp (the four weights, the
+      row-parallel inputs, the column-parallel outputs' gradients; under SP the stream inputs
+      and gradients). Their one-hots reach the history with the gradients (no dp call)."""
     if not on(lay):
         return {}
     sp_ = lay.sequence_parallel and lay.tp > 1
     out: dict[str, AmaxCalls] = {}
-    if lay.fp8 == "tensorwise":
+    if lay.fp8 == "delayed":
+        if lay.tp > 1:
+            out["tp"] = AmaxCalls(0, 4 + 2 + 2 + (4 if sp_ else 0))
+    elif lay.fp8 == "tensorwise":
         if lay.dp > 1:
             out["dp"] = AmaxCalls(4, 4)
         if lay.tp > 1:

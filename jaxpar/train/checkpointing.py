@@ -170,13 +170,47 @@ def warn_data_changes(meta: dict[str, Any], cfg: C.RunConfig) -> None:
             )
 
 
+def _record_or_none(ckpt: Checkpointer, step: int) -> dict[str, Any] | None:
+    """The checkpoint's JSON record, None where it has none that reads."""
+    try:
+        return ckpt.read_meta(step)
+    except Exception:  # noqa: BLE001  (not a jaxpar record: the caller's error stands)
+        return None
+
+
+def check_fp8_history(meta: dict[str, Any] | None, fp8: str, where: str) -> None:
+    """Refuse weights whose FP8 amax histories (``layout.fp8='delayed'``: leaves of the
+    parameter tree) do not match the run's recipe, in one line naming both; ``meta``: the
+    checkpoint's record (None: weights without one, e.g. a Hugging Face directory)."""
+    saved = (meta or {}).get("layout", {}).get("fp8", "none")
+    if (saved == "delayed") == (fp8 == "delayed"):
+        return
+    if fp8 == "delayed":
+        raise ConfigError(
+            f"layout.fp8='delayed': {where} has no FP8 amax history (written with "
+            f"layout.fp8={saved!r}); continue with --fp8 {saved}, or start delayed scaling in a "
+            "new --checkpoint-dir"
+        )
+    raise ConfigError(
+        f"layout.fp8={fp8!r}: {where} was written with layout.fp8='delayed' (its amax "
+        "histories are in the parameter tree); continue with --fp8 delayed, or start another "
+        "recipe in a new --checkpoint-dir"
+    )
+
+
 def restore(trainer: Any, ckpt: Checkpointer, step: int, cfg: C.RunConfig):
     """The state at ``step`` in this run's shardings (whatever layout wrote it), its record and
     the step to continue from; refuses another model shape first, naming the difference."""
     from jaxpar.checkpoint import check_model_matches
 
     abstract = trainer.canonical_abstract_state()  # what checkpoints hold
-    ckpt.check_shapes(step, abstract)  # names the parameter and both shapes
+    try:
+        ckpt.check_shapes(step, abstract)  # names the parameter and both shapes
+    except CheckpointError:
+        # a delayed FP8 recipe's histories on one side only: say that, not a missing leaf
+        if (saved := _record_or_none(ckpt, step)) is not None:
+            check_fp8_history(saved, cfg.layout.fp8, f"checkpoint step {step} in {ckpt.directory}")
+        raise
     meta = ckpt.read_meta(step)
     check_model_matches(meta, cfg.model)
     warn_data_changes(meta, cfg)

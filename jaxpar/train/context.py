@@ -62,7 +62,10 @@ class GradContext:
         table = tuple(
             (name, tuple(a for a in axes if a not in manual)) for name, axes in self.rules.table
         )
-        return dataclasses.replace(self.rules, table=table)
+        # Without a pipeline each micro-batch's loss is its own mean (averaged after the
+        # accumulation); a pipeline's head divides each by the micro-batch count already.
+        k = self.layout.microbatches if self.layout.pp <= 1 else 1
+        return dataclasses.replace(self.rules, table=table, loss_microbatches=k)
 
     def constrain_grads(self, g: Any, lead: int = 0) -> Any:
         """Pin gradients inside the region to their parameters' tp/sp shardings.

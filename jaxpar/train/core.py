@@ -37,7 +37,9 @@ from jaxpar.train.tensorboard import TensorBoard
 
 State = dict[str, Any]
 # The step's outputs read on the host each step (the MoE pair only for a MoE model).
-HOST_METRICS = frozenset({"loss", "grad_norm", "lr", "finite", "moe_load", "moe_dropped"})
+HOST_METRICS = frozenset(
+    {"loss", "grad_norm", "lr", "finite", "moe_load", "moe_dropped", "fp8_overflow"}
+)
 
 
 @dataclass
@@ -56,6 +58,9 @@ class StepMetrics:
     diverged: str | None = None  # why the step counts against the divergence budget
     moe_load: list[float] | None = None  # MoE: per layer, busiest expert's load / mean load
     moe_dropped: list[int] | None = None  # MoE: per layer, assignments the capacity dropped
+    # layout.fp8='delayed': operands (x, w or dy of a GEMM in a layer) whose values this step
+    # needed a larger scale than their amax history gave, so were clipped (jaxpar.model.fp8)
+    fp8_overflow: int | None = None
 
     def record(self) -> dict[str, Any]:
         """The JSONL metrics record of this step."""
@@ -74,6 +79,8 @@ class StepMetrics:
             rec["diverged"] = self.diverged
         if self.moe_load is not None:
             rec["moe_load"], rec["moe_dropped"] = self.moe_load, self.moe_dropped
+        if self.fp8_overflow is not None:
+            rec["fp8_overflow"] = self.fp8_overflow
         return rec
 
 
@@ -191,6 +198,8 @@ class _InFlight:
         if "moe_load" in host:
             m.moe_load = [float(v) for v in host["moe_load"]]
             m.moe_dropped = [int(v) for v in host["moe_dropped"]]
+        if "fp8_overflow" in host:
+            m.fp8_overflow = int(host["fp8_overflow"])
         return m
 
 

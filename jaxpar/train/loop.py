@@ -228,11 +228,25 @@ def _initial_state(p: RunParts, announce: bool) -> tuple[dict, int, dict, float]
                 from jaxpar.model import hf
 
                 params = hf.load(t.init_from_hf, cfg.model, trainer.canonical_param_shardings)
+                if trainer.model.fp8_history:  # delayed FP8: empty amax histories, as fresh
+                    params = _with_histories(params, trainer.convert(state["params"], "canonical"))
                 state["params"] = trainer.convert(params, "rest")
         t0 = time.perf_counter()
         trainer.compile_step()
         compile_s = time.perf_counter() - t0
     return state, start, meta, compile_s
+
+
+def _with_histories(params: dict, fresh: dict) -> dict:
+    """``params`` with the leaves only ``fresh`` has (a delayed FP8 recipe's amax histories,
+    which Hugging Face weights do not carry) taken from ``fresh``."""
+    out = dict(params)
+    for k, v in fresh.items():
+        if k not in out:
+            out[k] = v
+        elif isinstance(v, dict):
+            out[k] = _with_histories(out[k], v)
+    return out
 
 
 def _hooks(p: RunParts, div: Divergence) -> list[Hook]:

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import sharding as shd
 from jaxpar.config import RunConfig, TrainConfig
 from jaxpar.errors import ConfigError
-from jaxpar.model import Model, ragged
+from jaxpar.model import Model, fp8, ragged
 from jaxpar.model.moe import balance
 from jaxpar.pipeline.rest import STAGE_AXIS, RestLayout
 from jaxpar.train import programs
@@ -107,8 +107,8 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, mesh, model: Model | None = None):
         self.cfg, self.mesh = cfg, mesh
-        self.model = model or Model(cfg.model)
         lay = cfg.layout
+        self.model = model or Model(cfg.model, fp8_history=lay.fp8 == "delayed")
         check_platform(cfg, mesh.devices.flat)
         self.rules = shd.rules_for(cfg.model, lay)
         # Pipelines store the model in their own form at rest (layer stack in placement order,
@@ -116,6 +116,11 @@ class Trainer:
         # weights and inference see the canonical form (:meth:`convert`).
         self.rest = RestLayout.of(lay, cfg.model)
         self.logical = self.rest.rest_logical(self.model.logical_axes())
+        # A delayed FP8 recipe's amax histories (jaxpar.model.fp8): parameter leaves that the
+        # optimizer never moves; their "gradients" are the scales each step needed.
+        self.fp8_histories = jax.tree.map(
+            lambda ax: "fp8_bucket" in ax, self.logical, is_leaf=lambda x: isinstance(x, tuple)
+        )
         self.param_dtype = DTYPES[lay.param_dtype]
         self.abstract_params = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, self.param_dtype),
@@ -224,6 +229,11 @@ class Trainer:
             }
         params, opt = state["params"], state["opt"]
         loss, grads, stats = self._grads_stats(params, batch_BxT)
+        # Delayed FP8: the histories' summed one-hots leave the gradients here, before the
+        # norm, the clipping and the optimizer (a zero gradient: AdamW leaves them as they are).
+        hist = self.fp8_histories
+        seen = jax.tree.map(lambda h, g: g if h else 0.0, hist, grads)
+        grads = jax.tree.map(lambda h, g: jnp.zeros_like(g) if h else g, hist, grads)
         if self.cfg.train.inject_nonfinite_step:  # test hook, see jaxpar.train.guard
             grads = inject_nonfinite(
                 grads, state["step"] + 1 == self.cfg.train.inject_nonfinite_step
@@ -241,13 +251,22 @@ class Trainer:
         def update(params_opt):
             p, o = params_opt
             updates, new_o = self.tx.update(grads, o, p)
-            return optax.apply_updates(p, updates), new_o
+            new_p = optax.apply_updates(p, updates)
+            # each history one step older, 0 where this step needed that scale (fp8.advance)
+            new_p = jax.tree.map(lambda h, n, a, c: fp8.advance(a, c) if h else n,
+                                 hist, new_p, p, seen)  # fmt: skip
+            return new_p, new_o
 
         new_params, new_opt = guarded(ok, update, (params, opt), self.mesh.devices.flat[0])
         new_state = {"params": new_params, "opt": new_opt, "step": state["step"] + 1}
         leaf_ok = jax.tree.map(jnp.isfinite, sq)
         lr = lr_schedule(self.cfg.train)(state["step"])
         metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": ok, "leaf_finite": leaf_ok}
+        if self.cfg.layout.fp8 == "delayed":
+            h = self.cfg.layout.fp8_history
+            clipped = jax.tree.map(lambda on, a, c: fp8.overflows(a, c, h) if on else 0,
+                                   hist, params, seen)  # fmt: skip
+            metrics["fp8_overflow"] = sum(jax.tree.leaves(clipped))
         if stats is not None:  # MoE: the balancing bias moves by this step's expert load
             new_state["params"], moe_metrics = balance(
                 self.cfg.model.moe, new_params, stats, ok, self.rest.order
