@@ -17,8 +17,11 @@ walked side by side").
 The time model of the compiled program walks the ranks the same way (:mod:`jaxpar.gpu.ranks`);
 this module gives the planner the makespan from the table alone. Costs are
 :func:`jaxpar.pipeline.timing.stats`' (per full stage, a chunk ``1/v`` of it; ``head`` on the
-last stage's forward and backward); transfer times are not part of it (the planner prices the
-sends apart).
+last stage's forward and backward), but where the last stage runs plain ``F`` actions (GPipe,
+lean 1F1B, the zero-bubble schedules: :attr:`StepTables.head_in_forward`) the executor runs
+the head's forward and backward inside that ``F`` (``value_and_grad`` of the loss), so the
+whole head lands on it; transfer times are not part of it (the planner prices the sends
+apart).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def phase_costs(tables: StepTables, f: float, b: float, i: float, w: float,
     """``[T, P]`` seconds of each tick's backward phase and forward phase on each rank."""
     t, v, last = tables.table, tables.schedule.v, tables.last_stage
     f, b, i, w = f / v, b / v, i / v, w / v
+    if tables.head_in_forward:  # a plain F on the last stage runs the head's forward and backward
+        head = (head[0] + head[1], 0.0)
     kinds = [t.b_kind == B_FULL, t.b_kind == B_INPUT, t.b_kind == B_WEIGHT]
     back = np.select(kinds, [b, i, w], 0.0)
     back = back + np.where((t.b_stage == last) & np.isin(t.b_kind, (B_FULL, B_INPUT)), head[1], 0.0)

@@ -236,20 +236,36 @@ def head_time(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: 
     return (4 if again else 3) * fwd + loss
 
 
+def unsplit(lay: LayoutConfig, executor: Executor = JAXPAR) -> bool:
+    """Whether ``executor``'s split backward leaves every weight gradient of ``lay``'s layers in
+    ``I`` (``Executor.split_sees_plain_dots``: jaxpar's weight matmuls are each inside a custom
+    VJP of their own under Megatron-SP with tp > 1 — the collective matmul's rings — and under
+    an FP8 recipe)."""
+    if not executor.split_sees_plain_dots:
+        return False
+    return (lay.sequence_parallel and lay.tp > 1) or F8.on(lay)
+
+
 def action_costs(
     lay: LayoutConfig, executor: Executor = JAXPAR, lt: LayerTime | None = None
 ) -> ActionCosts:
     """F, B, I, W of a stage in units of its forward (exposed communication included when
-    ``lt``)."""
+    ``lt``). Where the split backward cannot separate the weight matmuls (:func:`unsplit`),
+    ``I`` is the whole backward and ``W`` nothing (its gradient accumulation is added by
+    :func:`_pipeline`)."""
     full = lay.remat == "full"
     if lt is None:
         r = 1.0 if full else 0.0
         i = executor.i_cost + (r if executor.recompute_in_i else 0.0)
+        if unsplit(lay, executor):
+            return ActionCosts(b=2.0 + r, i=2.0 + r, w=0.0)
         return ActionCosts(b=2.0 + r, i=i, w=executor.w_cost)
     f = lt.forward
     bwd_comm = lt.backward_comm
     recompute = f if full else lt.recompute
     b = lt.backward + bwd_comm + recompute
+    if unsplit(lay, executor):
+        return ActionCosts(b=b / f, i=b / f, w=0.0)
     i = (executor.i_cost * lt.compute + lt.backward_extra + bwd_comm
          + (recompute if executor.recompute_in_i else 0))  # fmt: skip
     return ActionCosts(b=b / f, i=i / f, w=executor.w_cost * lt.compute / f)
@@ -302,6 +318,29 @@ def tick_weights(model: ModelConfig, lay: LayoutConfig, mem_bw: float, ex: Execu
     return lay.microbatches * TICK_WEIGHT_BYTES * tick_params(model, lay) / mem_bw
 
 
+def tick_slots(
+    model: ModelConfig,
+    lay: LayoutConfig,
+    shape: Shape,
+    mem_bw: float,
+    ex: Executor,
+    pf: PipeFigures | None,
+) -> float:
+    """Seconds jaxpar's pipeline tick spends outside its actions, on every rank each tick
+    (slot reads, arrivals filed, ``I``'s cotangents written): ``PROGRAM_BYTES.tick_passes``
+    (``split_tick_passes`` for a split backward) times the saved activations of one chunk's
+    layers, per tick of the table. Only for jaxpar's program on a GPU (``program_bytes``)."""
+    if pf is None or lay.pp == 1 or not ex.program_bytes:
+        return 0.0
+    b = shape.microbatch_size(lay) or 1
+    res = block_residuals(model, lay, shape.seq, "blockwise", "none")
+    wc = DTYPE_BYTES[lay.compute_dtype]
+    act = res.bytes(b * shape.seq / lay.sp, wc) - res.weights * wc
+    chunk = model.n_layers / (lay.pp * lay.virtual)
+    passes = PROGRAM_BYTES.split_tick_passes if pf.split else PROGRAM_BYTES.tick_passes
+    return pf.ticks * passes * chunk * act / mem_bw
+
+
 def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0, head=0.0, mem_bw=None) -> tuple:
     """(figures, bubble seconds, pipeline comm terms) of a pipeline layout; ``moe_fwd``: a
     rank's MoE forward beyond its dense FFNs for one micro-batch; ``head``: the last stage's
@@ -320,8 +359,9 @@ def _pipeline(model, hw, lay, shape, ex, lt, costs, moe_fwd=0.0, head=0.0, mem_b
         mem_bw = mem_bw or memory_bound_bw(hw, None, ex)
         local = tick_params(model, lay) / mem_bw / f_stage
         cast, add = CAST_BYTES * local, ADD_BYTES * local
-        costs = replace(costs, f=1.0 + cast, b=costs.b + cast + add, i=costs.i + cast,
-                        w=costs.w + add)  # fmt: skip
+        in_i = add if unsplit(lay, ex) else 0.0  # I computes (and adds) every weight gradient
+        costs = replace(costs, f=1.0 + cast, b=costs.b + cast + add, i=costs.i + cast + in_i,
+                        w=costs.w + add - in_i)  # fmt: skip
     pf = figures(lay.schedule, lay.pp, lay.microbatches, lay.virtual, costs, ex.lockstep,
                  memory=lay.pipeline_memory)  # fmt: skip
     bubble = max(0.0, (pf.makespan - pf.busy) * f_stage)
@@ -363,6 +403,7 @@ def step_cost(
         "optimizer": optimizer_time(model, lay, mem_bw),
         "weights": weight_work(model, lay, mem_bw, executor),
         "tick_weights": tick_weights(model, lay, mem_bw, executor),
+        "tick_slots": tick_slots(model, lay, shape, mem_bw, executor, pf),
         "bubble": bubble,
         "offload": host / hw.host_to_device_bw,
         **{name: 0.0 for name in COMM_TERMS},

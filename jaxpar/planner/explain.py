@@ -15,6 +15,7 @@ TERM_NAMES = {
     "recompute": "recompute (remat)",
     "optimizer": "optimizer update",
     "tick_weights": "pipeline ticks' weight casts and gradient adds",
+    "tick_slots": "pipeline ticks' slot reads and writes",
     "weights": "weight slices, casts and gradient writes",
     "tp_comm": "exposed TP collectives",
     "sp_comm": "exposed sequence-parallel collectives",

@@ -43,6 +43,14 @@ class Executor:
     * ``i_cost``, ``w_cost``: input- and weight-gradient halves of a split backward, in units of
       the stage forward (zero-bubble schedules). ``recompute_in_i``: under full recompute the
       input-gradient half also re-runs the forward.
+    * ``split_sees_plain_dots``: the split backward separates only the weight matmuls it sees
+      as a plain dot (jaxpar: :mod:`jaxpar.pipeline.split` rewrites a ``dot_general`` or a
+      custom VJP around one dot). A weight matmul inside a custom VJP of its own — the
+      collective matmul's rings under Megatron-SP (tp > 1), an FP8 GEMM — keeps its weight
+      gradient in ``I``, which then costs a full backward and leaves ``W`` the gradient
+      accumulation alone (:func:`jaxpar.planner.cost.split_backward`). llama2-70b's layer
+      shape, tp 8 + SP × pp 8, ZB-V (16 layers, a100-64), by the time model: ``I`` 1.96 ``F``,
+      ``W`` 0.04 ``F`` (BENCHMARKS.md, "Split backward measured per action").
     * ``overlap_tp``: share of the tensor- and sequence-parallel collective time hidden behind
       matmuls (collective matmuls, userbuffers, context-parallel p2p overlapped with
       attention); ``overlap_dp``: share of the compute beside a data-parallel call that can
@@ -116,6 +124,7 @@ class Executor:
     lockstep: bool = True
     i_cost: float = 1.0
     w_cost: float = 1.0
+    split_sees_plain_dots: bool = False
     recompute_in_i: bool = True
     score_bytes: float = 24.0
     overlap_tp: float = 0.0
@@ -149,6 +158,7 @@ class Executor:
 # overlaps the tensor-parallel all-reduces.
 JAXPAR = Executor(
     attention="blockwise",
+    split_sees_plain_dots=True,
     loss="chunked",
     selective_reruns_kernel=True,
     follows_model=True,
@@ -183,6 +193,10 @@ PIPELINED_COLLECTIVES = (
 # collective per weight group and places each just ahead of its consumer, so a window holds
 # about one matmul of the layer's four to six, not the whole layer. Calibrated on llama2-70b
 # dp 32 x tp 2 + SP, 2 micro-batches, a100-64; checked on llama3-8b dp 8 ZeRO-3, h100-8.
+# At the time model's kernel ceilings one share no longer fits both (BENCHMARKS.md, "Split
+# backward measured per action": the 70B program exposes 61% of its dp time, llama3-8b's
+# layer shape at 4 layers on NVLink hides every per-layer call past the first, which takes
+# 0.45 here).
 ZERO3_WINDOW = 0.2
 # RING_HIDDEN: Executor.ring_hidden. Calibrated on llama3-8b tp 8 + SP, h100-8; checked on the
 # 70B pick's tp 2 rings and inside pipeline ticks, where the programs hide more of it (a tick's
@@ -233,6 +247,17 @@ class ProgramBytes:
       ZeRO-0 over dp 8 66.2). The optimizer update is inside these figures.
     * ``loss_bytes``: bytes per logit of a micro-batch's loss, forward and backward (the
       planner's six fp32 passes: 24).
+    * ``tick_passes``, ``split_tick_passes``: a pipeline tick's executor work outside its
+      actions — reading the tick's slots out of the message, stash and (split backward) ``dys``
+      buffers, filing the arrivals, writing ``I``'s weight-matmul cotangents — in units of
+      the saved activations of the chunk's layers, every tick on every rank whatever it runs
+      (:func:`jaxpar.planner.cost.tick_slots`). Measured by the time model on llama3-8b's
+      layer shape, pp 4 × dp 2 on h100-8 at 8 and 16 layers (1 to 4 layers a chunk; the
+      grid's pp 4 rows have 32), the compute stream's kernels in the tick loop outside every
+      action's branch, per tick and chunk layer, fitted through the origin: 1.94 for fused
+      tables (1F1B, interleaved), 3.09 for split ones (ZB-H1, ZB-V, DualPipeV), whose ``dys``
+      buffer holds every weight matmul's output cotangent (BENCHMARKS.md, "Split backward
+      measured per action").
     """
 
     act_passes: float = 5.96
@@ -243,6 +268,8 @@ class ProgramBytes:
         (3, WeightBytes(step=0.30, microbatch=18.18, loop=1.40)),
     )
     loss_bytes: float = 24.0
+    tick_passes: float = 1.94
+    split_tick_passes: float = 3.09
 
     def weight_bytes(self, zero: int) -> WeightBytes:
         """The figures of ZeRO stage ``zero`` (2 takes 1's)."""

@@ -59,6 +59,7 @@ class PipeFigures:
     # Split backward (zero-bubble schedules): slots of the weight matmuls' activation operands
     # kept for W (taps) and of their output cotangents filed by I (dys).
     w_slots: tuple[int, int] = (0, 0)
+    split: bool = False  # the table splits backwards into I and W
 
     @property
     def bubble_fraction(self) -> float:
@@ -159,4 +160,5 @@ def figures(
     if kind == "gpipe":  # every forward before any backward: m stashes and loss cotangents
         peaks = tuple(m * v for _ in peaks)
         slots = (*slots[:2], m)
-    return PipeFigures(makespan, busy, ticks, sends, peaks, slots, extra > 0, w_slots)
+    split = _table(kind, p, m0, v, memory)[0].split_backward
+    return PipeFigures(makespan, busy, ticks, sends, peaks, slots, extra > 0, w_slots, split)
