@@ -194,9 +194,9 @@ PIPELINED_COLLECTIVES = (
 # about one matmul of the layer's four to six, not the whole layer. Calibrated on llama2-70b
 # dp 32 x tp 2 + SP, 2 micro-batches, a100-64; checked on llama3-8b dp 8 ZeRO-3, h100-8.
 # At the time model's kernel ceilings one share no longer fits both (BENCHMARKS.md, "Split
-# backward measured per action": the 70B program exposes 61% of its dp time, llama3-8b's
-# layer shape at 4 layers on NVLink hides every per-layer call past the first, which takes
-# 0.45 here).
+# backward measured per action": the 70B program leaves 3.29 s of dp exposed, which 0.45
+# would price at 1.80 s; llama3-8b's layer shape at 4 layers on NVLink hides every per-layer
+# call past the first, which takes 0.45 here).
 ZERO3_WINDOW = 0.2
 # RING_HIDDEN: Executor.ring_hidden. Calibrated on llama3-8b tp 8 + SP, h100-8; checked on the
 # 70B pick's tp 2 rings and inside pipeline ticks, where the programs hide more of it (a tick's
