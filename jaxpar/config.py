@@ -238,6 +238,10 @@ class LayoutConfig:
     fp8: str = "none"
     # Steps of amax history a delayed recipe's scales cover (1..254).
     fp8_history: int = 16
+    # The first and the last blocks that keep bf16 GEMMs under an FP8 recipe (as Megatron's
+    # num-layers-at-start/end-in-bf16).
+    fp8_bf16_first: int = 0
+    fp8_bf16_last: int = 0
     # Expert parallelism folded onto dp: routed experts sharded over groups of `ep` consecutive
     # dp ranks (jaxpar.model.moe); everything else stays data-parallel over them.
     ep: int = 1

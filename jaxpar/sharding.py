@@ -54,6 +54,8 @@ class Rules:
     ep: int = 1  # expert-parallel degree (the routed experts' dim is split over it)
     fp8: str = "none"  # the linear layers' FP8 recipe (layout.fp8, jaxpar.model.fp8)
     fp8_history: int = 16  # steps of amax history of a delayed recipe (layout.fp8_history)
+    # blocks at the start and at the end that keep bf16 GEMMs (layout.fp8_bf16_first/last)
+    fp8_bf16_ends: tuple[int, int] = (0, 0)
     # Inside the gradient region (jaxpar.train.context): the micro-batches each loss there is
     # the mean over, so its cotangents are that many times the step's (jaxpar.model.fp8).
     loss_microbatches: int = 1
@@ -139,6 +141,7 @@ def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
         ep=layout.ep,
         fp8=layout.fp8,
         fp8_history=layout.fp8_history,
+        fp8_bf16_ends=(layout.fp8_bf16_first, layout.fp8_bf16_last),
     )
 
 

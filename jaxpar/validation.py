@@ -471,6 +471,24 @@ def check_fp8(m: ModelConfig, lay: LayoutConfig) -> None:
     from jaxpar.model.fp8 import NAMES
 
     _one_of("layout.fp8", lay.fp8, NAMES)
+    ends = (("layout.fp8_bf16_first", lay.fp8_bf16_first),
+            ("layout.fp8_bf16_last", lay.fp8_bf16_last))  # fmt: skip
+    for name, n in ends:
+        _at_least_0(name, n)
+        if n and lay.fp8 == "none":
+            raise ConfigError(f"{name}={n}: keeps blocks in bf16 under an FP8 recipe; "
+                              "layout.fp8 is 'none'")  # fmt: skip
+        if n and lay.pp > 1:
+            raise ConfigError(f"{name}={n}: not supported with a pipeline yet (layout.pp="
+                              f"{lay.pp}); every block runs FP8 there")  # fmt: skip
+        if n and m.moe.enabled:
+            raise ConfigError(f"{name}={n}: not supported for MoE models yet")
+    if lay.fp8_bf16_first + lay.fp8_bf16_last >= m.n_layers > 0 and lay.fp8 != "none":
+        raise ConfigError(
+            f"layout.fp8_bf16_first + layout.fp8_bf16_last = "
+            f"{lay.fp8_bf16_first + lay.fp8_bf16_last}: must leave at least one of the "
+            f"{m.n_layers} blocks in FP8"
+        )
     if lay.fp8 == "none":
         return
     if lay.compute_dtype != "bfloat16":

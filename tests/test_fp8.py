@@ -115,6 +115,9 @@ CASES = {
     # the attention in another order (FP8 rounding amplifies it, as tp's partial sums)
     "tensorwise_dp2_sp2_ulysses": ("tensorwise", dict(dp=2, sp=2, sp_mode="ulysses"), 1e-5),
     "tensorwise_dp2_sp2_ring": ("tensorwise", dict(dp=2, sp=2, sp_mode="ring"), 2e-2),
+    # the first and last blocks in bf16: three layer loops, ZeRO-3 gathers in each
+    "tensorwise_dp2_zero3_bf16_ends": ("tensorwise", dict(dp=2, zero=3, fp8_bf16_first=1,
+                                                          fp8_bf16_last=1), 1e-5),
 }  # fmt: skip
 
 _GRADS: dict = {}
@@ -136,7 +139,8 @@ def _grads(recipe: str, **layout):
 def test_layout_equals_one_device(name):
     recipe, layout, tol = CASES[name]
     loss, g = _grads(recipe, **layout)
-    ref_loss, ref = _grads(recipe, microbatches=layout.get("microbatches", 1))
+    same = {k: v for k, v in layout.items() if k == "microbatches" or k.startswith("fp8_")}
+    ref_loss, ref = _grads(recipe, **{"microbatches": 1, **same})
     assert abs(loss / ref_loss - 1) < 1e-5
     for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]:
         r = ref
@@ -150,6 +154,50 @@ def test_layout_equals_one_device(name):
         pairs = zip(jax.tree.leaves(ref), jax.tree.leaves(plain), strict=True)
         gap = max(np.abs(a - b).max() / np.abs(b).max() for a, b in pairs)
         assert gap > 100 * tol
+
+
+def test_bf16_ends_run_their_blocks_without_fp8():
+    """``layout.fp8_bf16_first/last``: the loss is embed → the first blocks with bf16 GEMMs →
+    the middle ones in FP8 → the last ones in bf16 → head, composed here by hand; and it
+    differs from both the all-FP8 and the all-bf16 model's."""
+    import dataclasses
+
+    from jaxpar import sharding as shd
+    from jaxpar.model import Model
+
+    cfg = small_config(fp8="tensorwise", fp8_bf16_first=1, fp8_bf16_last=2)
+    model = Model(cfg.model)
+    params = model.init(jax.random.key(0))
+    mesh = make_mesh(cfg.layout, jax.devices()[:1])
+    batches = Batches(load_corpus("stdlib", 256), 4, cfg.train.seq_len, seed=3)
+    batch = batches.global_array(0, NamedSharding(mesh, P()))
+    tokens, targets = batch[:, :-1], batch[:, 1:]
+    rules = shd.rules_for(cfg.model, cfg.layout)
+    bf16 = dataclasses.replace(rules, fp8="none")
+    all_fp8 = dataclasses.replace(rules, fp8_bf16_ends=(0, 0))
+    pos = np.arange(tokens.shape[1])
+    layer = lambda i, j: jax.tree.map(lambda a: a[i:j], params["layers"])  # noqa: E731
+
+    def by_hand():
+        x = model.embed(params, tokens)
+        for lo, hi, r in ((0, 1, bf16), (1, 2, all_fp8), (2, 4, bf16)):
+            with shd.use_rules(r):
+                x = model.blocks(layer(lo, hi), x, pos)
+        return model.head_loss(params, x, targets)
+
+    def loss(r):
+        with shd.use_rules(r):
+            return model.loss(params, tokens, targets)
+
+    with jax.set_mesh(mesh):
+        got, want = float(jax.jit(lambda: loss(rules))()), float(jax.jit(by_hand)())
+        fp8_loss, none = (
+            float(jax.jit(lambda: loss(all_fp8))()),
+            float(jax.jit(lambda: loss(bf16))()),
+        )
+    # the composition to fp32 rounding; each gap (FP8 blocks more or fewer) five times that
+    assert abs(got - want) <= 2e-7 * abs(want)
+    assert min(abs(got - fp8_loss), abs(got - none)) > 1e-6 * abs(got)
 
 
 def _moe_grads(**layout):
@@ -195,6 +243,15 @@ def test_moe_experts_fp8_equal_one_device():
         (
             dict(fp8="rowwise", compute_dtype="bfloat16", moe=True),
             "layout.fp8='rowwise': not supported for MoE models yet",
+        ),
+        (dict(fp8_bf16_first=1), "layout.fp8_bf16_first=1: keeps blocks in bf16 under an FP8"),
+        (
+            dict(fp8="tensorwise", compute_dtype="bfloat16", fp8_bf16_last=1, pp=2, microbatches=2),
+            "layout.fp8_bf16_last=1: not supported with a pipeline yet",
+        ),
+        (
+            dict(fp8="tensorwise", compute_dtype="bfloat16", fp8_bf16_first=2, fp8_bf16_last=2),
+            "layout.fp8_bf16_last = 4: must leave at least one of the 4 blocks in FP8",
         ),
     ],
 )

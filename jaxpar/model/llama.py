@@ -22,7 +22,7 @@ time only; the compiled program is the same as hand-written functions).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -34,7 +34,7 @@ from jaxpar.config import ModelConfig
 from jaxpar.model.block import Block
 from jaxpar.model.layers import Attend, RMSNorm, gather_sequence
 from jaxpar.model.names import weight
-from jaxpar.sharding import constrain
+from jaxpar.sharding import active_rules, constrain, use_rules
 
 Params = dict[str, Any]
 Wrap = Callable[[Callable], Callable]
@@ -128,6 +128,18 @@ class Head(nnx.Module):
 
         total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (h_NxBxCxD, t_NxBxC))
         return total / (b * s)
+
+
+def _under(rules: Any, body: Callable) -> Callable:
+    """``body`` traced under ``rules``: a function of its own, so that no trace of ``body``
+    under other rules is reused for it (JAX caches a loop body's trace by function and
+    shapes, not by the rules active while tracing)."""
+
+    def fn(*args):
+        with use_rules(rules):
+            return body(*args)
+
+    return fn
 
 
 def _chunks(s: int, chunk: int) -> int:
@@ -304,7 +316,21 @@ class Model:
         def body(x, layer_params):
             return self.block(layer_params, x, positions_S), None
 
-        return self._scan(body, stacked, x_BxSxD, wrap)[0]
+        # Under an FP8 recipe with bf16 ends (layout.fp8_bf16_first/last): three loops, the
+        # first and last blocks traced with the recipe off (copies of their layers' slices).
+        rules = active_rules()
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        first, last = rules.fp8_bf16_ends if rules is not None and rules.fp8 != "none" else (0, 0)
+        if not (first or last):
+            return self._scan(body, stacked, x_BxSxD, wrap)[0]
+        if n <= first + last:  # config validation refuses this before tracing
+            raise ValueError(f"fp8 bf16 ends {first} + {last} leave none of {n} blocks in FP8")
+        bf16 = replace(rules, fp8="none")
+        for lo, hi, seg_rules in ((0, first, bf16), (first, n - last, rules), (n - last, n, bf16)):
+            if hi > lo:
+                part = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stacked)
+                x_BxSxD = self._scan(_under(seg_rules, body), part, x_BxSxD, wrap)[0]
+        return x_BxSxD
 
     def moe_groups(
         self,
