@@ -1,9 +1,8 @@
 """The install paths the docs name, as a new user meets them.
 
-``gpu-aot`` is checked in a new virtual environment holding only what that extra and pytest
-install: the suite's own environment (the ``test`` extra, with torch and its CUDA wheels) could
-hide a library the extra forgets, as it once hid cuDNN. The missing-library refusal is checked
-in process.
+``gpu-aot`` is checked in a new virtual environment holding only what that extra installs: the
+suite's own environment (the ``test`` extra, with torch and its CUDA wheels) could hide a library
+the extra forgets, as it once hid cuDNN. The missing-library refusal is checked in process.
 """
 
 import json
@@ -15,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import MODEL_YAML
 
 from jaxpar.errors import ConfigError
 from jaxpar.model import attention as A
@@ -29,23 +29,35 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def test_gpu_aot_extra_alone_compiles_cudnn_attention():
-    """A venv with only ``.[gpu-aot]`` and pytest: the suite's 3-D layout compile for an H100
-    node passes there, cuDNN attention in its program (the test asserts the fmha calls)."""
+    """A venv with only ``.[gpu-aot]``: ``jaxpar compile`` of the test model for an H100 node
+    (dp 8) runs there, cuDNN attention in its program, forward and backward.
+
+    What the venv proves is that the extra brings every library the GPU compile loads; any
+    layout's compile loads the same ones, so the cheapest runs here (the suite's 3-D layout
+    compile for the same node, with every other assertion, is test_gpu_compile's)."""
     root = Path(tempfile.mkdtemp(prefix="jaxpar-gpu-aot-"))
     try:
         venv = root / "venv"
         _run([sys.executable, "-m", "venv", str(venv)])
         py = str(venv / "bin" / "python")
         pip = [py, "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
-        _run([*pip, "-e", f"{REPO}[gpu-aot]", "pytest"])  # no .pyc: the venv lives one test
+        _run([*pip, "-e", f"{REPO}[gpu-aot]"])  # no .pyc: the venv lives one test
         # Nothing of torch's CUDA wheels or of this process's environment leaks in.
         listed = _run([py, "-m", "pip", "list", "--format=json"]).stdout
         names = {p["name"].lower() for p in json.loads(listed)}
         assert "torch" not in names and "nvidia-cudnn-cu12" in names, sorted(names)
+        model = root / "model.yaml"
+        model.write_text(MODEL_YAML)
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
-        _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-              "compile_3d_layout_on_h100_node", str(REPO / "tests" / "test_gpu_compile.py")],
-             env=env, cwd=REPO)  # fmt: skip
+        proc = _run([py, "-m", "jaxpar.cli", "compile", "--model", str(model), "--mesh",
+                     "h100-8", "--dp", "8", "--tp", "1", "--pp", "1", "--global-batch", "8",
+                     "--seq-len", "64", "--json"], env=env, cwd=root)  # fmt: skip
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["target"]["device_kind"] == "NVIDIA H100 80GB HBM3"
+        assert out["attention"]["chosen"] == "cudnn"
+        calls = out["attention"]["in_program"]
+        assert calls.get("__cudnn$fmhaSoftmax", 0) > 0, calls
+        assert calls.get("__cudnn$fmhaSoftmaxBackward", 0) > 0, calls
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
