@@ -153,34 +153,59 @@ max_seq_len: 64
 moe: {experts: 8, top_k: 2, shared_experts: 1, expert_ff: 32, first_dense: %d, dispatch: %s}
 """
 DP8_EP2 = ("--dp", "8", "--ep", "2", "--pp", "1", "--microbatches", "1")
+PIPELINE = ("--dp", "4", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule", "1f1b")
+# ``jaxpar compile`` once per argv in one process, each report kept: the three compiles below
+# share one mesh (XLA reads its flags once per process) and one interpreter start.
+_COMPILE_ALL = """
+import contextlib, io, json, sys
+from jaxpar.cli import main
+reports = []
+for argv in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(argv)
+    if rc:
+        sys.exit(f"jaxpar {' '.join(argv)}: exit {rc}")
+    reports.append(json.loads(out.getvalue().strip().splitlines()[-1]))
+print(json.dumps(reports))
+"""
 
 
-def _gpu_compile(tmp_path, dispatch: str, layout=DP8_EP2, first_dense=1) -> dict:
-    """``jaxpar compile`` of the MoE above for h100-8 (by default dp 8, ep 2; batch 16 x 64)
-    in a subprocess; its JSON report."""
+@pytest.fixture(scope="module")
+def gpu_reports(tmp_path_factory) -> dict:
+    """``jaxpar compile`` of the MoE above for h100-8 (batch 16 x 64), in one subprocess: its
+    JSON reports for the ragged (auto) and padded dispatch under dp 8 x ep 2 (3 layers, the
+    first dense), and for auto in a pp 2 x dp 4 x ep 2 pipeline (4 MoE layers, 2 per stage);
+    and the model files' directory."""
     from test_gpu_compile import _plugin_or_fail
 
     _plugin_or_fail()
-    model = tmp_path / f"{dispatch}-{first_dense}.yaml"
-    # 3 layers, the first dense; or, for a pipeline, 4 MoE layers (2 per stage)
-    model.write_text(MOE_YAML % (4 - first_dense, first_dense, dispatch))
+    root = tmp_path_factory.mktemp("moe-gpu")
+    runs = {"ragged": ("auto", DP8_EP2, 1), "padded": ("padded", DP8_EP2, 1),
+            "pipeline": ("auto", PIPELINE, 0)}  # fmt: skip
+    argvs = []
+    for dispatch, layout, first_dense in runs.values():
+        model = root / f"{dispatch}-{first_dense}.yaml"
+        model.write_text(MOE_YAML % (4 - first_dense, first_dense, dispatch))
+        argvs.append(["compile", "--model", str(model), "--mesh", "h100-8", *layout, "--tp", "1",
+                      "--zero", "0", "--remat", "none", "--global-batch", "16", "--seq-len",
+                      "64", "--json"])  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "jaxpar.cli", "compile", "--model", str(model),
-           "--mesh", "h100-8", *layout, "--tp", "1", "--zero", "0", "--remat", "none",
-           "--global-batch", "16", "--seq-len", "64", "--json"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-c", _COMPILE_ALL, json.dumps(argvs)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**dict(zip(runs, reports, strict=True)), "dir": root}
 
 
-def test_ragged_dispatch_compiles_for_gpu_with_its_bytes(tmp_path):
+def test_ragged_dispatch_compiles_for_gpu_with_its_bytes(gpu_reports):
     """On the H100 target, auto dispatches ragged: per MoE layer four ragged all-to-alls over
     ep (dispatch and combine, their transposes), each sending its whole buffer at most — the
     sorted assignments [k·b·S, D] or the owner's receive buffer [ep·min(k·b·S, E/ep·b·C), D]
     in bf16 — and no padded [E, b, C, D] all-to-all; the padded dispatch of the same model
     moves 4 · E·b·C·D per layer."""
-    rag, pad = _gpu_compile(tmp_path, "auto"), _gpu_compile(tmp_path, "padded")
+    rag, pad = gpu_reports["ragged"], gpu_reports["padded"]
     layers, b, s, k, e, d, bf16 = 2, 16 // 8, 64, 2, 8, 64, 2
     t = k * b * s
     n_recv = ragged.receive_rows(t, e, 2, b, s)  # dropless: C = S
@@ -197,7 +222,7 @@ def test_ragged_dispatch_compiles_for_gpu_with_its_bytes(tmp_path):
     assert kinds["ragged-all-to-all"]["wire_bytes"] < padded["all-to-all"]["wire_bytes"] / 2
     # The planner prices the rows the ragged exchange really moves on a GPU (the kept
     # assignments, k·b·S dropless, each pass), the padded buffer on a CPU.
-    model = C.load_model(str(tmp_path / "auto-1.yaml"))
+    model = C.load_model(str(gpu_reports["dir"] / "auto-1.yaml"))
     lay = C.LayoutConfig(dp=8, ep=2, tp=1, pp=1, microbatches=1)
     gpu, cpu = (MOE.figures(model, lay, b, s, bf16, p) for p in ("gpu", "cpu"))
     assert (gpu.dispatch, gpu.moved, cpu.dispatch, cpu.moved) == ("ragged", t, "padded", e * b * s)
@@ -205,12 +230,11 @@ def test_ragged_dispatch_compiles_for_gpu_with_its_bytes(tmp_path):
     assert layers * gpu.a2a_bytes <= 2 * want  # within the operands' bound (wire = half)
 
 
-def test_ragged_dispatch_compiles_in_a_gpu_pipeline(tmp_path):
+def test_ragged_dispatch_compiles_in_a_gpu_pipeline(gpu_reports):
     """pp 2 x dp 4 x ep 2 1F1B on the H100 target, every layer MoE: the stages' exchanges are
     ragged all-to-alls over ep (no padded buffer moves), the activations cross pp by
     collective-permute, and the compiled memory is beside the planner's."""
-    layout = ("--dp", "4", "--ep", "2", "--pp", "2", "--microbatches", "2", "--schedule", "1f1b")
-    rep = _gpu_compile(tmp_path, "auto", layout, first_dense=0)
+    rep = gpu_reports["pipeline"]
     ep = rep["collectives"]["ep"]["by_kind"]
     assert ep["ragged-all-to-all"]["count"] > 0
     assert ep.get("all-to-all", {"wire_bytes": 0})["wire_bytes"] < 1000  # offsets only
