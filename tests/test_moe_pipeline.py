@@ -47,8 +47,9 @@ def _reference(every=1):
     return _grads(moe_config(every=every))[1:]
 
 
-LAYOUTS = {  # dp counts every data-parallel rank; ep of them hold an expert shard each
-    "pp2-ep2-1f1b": dict(pp=2, dp=2, ep=2, microbatches=2, schedule="1f1b"),
+# dp counts every data-parallel rank; ep of them hold an expert shard each. 1F1B runs in
+# test_dense_blocks_inside_the_groups (its groups hold a dense block before the MoE one).
+LAYOUTS = {
     "pp2-ep2-dualpipev-remat-full": dict(
         pp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev", virtual=2, remat="full"
     ),  # split backward under recompute: each layer's I re-run from its stashed input
@@ -72,11 +73,15 @@ def test_pipeline_layout_matches_one_device(name):
 
 
 def test_dense_blocks_inside_the_groups():
-    """every 2: (dense, MoE) x 4; the dense blocks' own stack inside a group stays unsharded
-    (logical axis ``sublayers``) while the groups go over pp."""
+    """pp 2 x ep 2 under 1F1B with every 2: (dense, MoE) x 4 equals one device; the dense
+    blocks' own stack inside a group stays unsharded (logical axis ``sublayers``) while the
+    groups go over pp, the routed experts over ep."""
     tr, loss, g = _grads(moe_config(every=2, pp=2, dp=2, ep=2, microbatches=2, schedule="1f1b"))
+    assert tr.mesh.shape["pp"] == 2 and tr.mesh.shape["ep"] == 2
     spec = tr.param_shardings["moe_layers"]["dense"]["mlp"]["w_up"].spec
     assert spec[0] == "pp" and (len(spec) < 2 or spec[1] is None)
+    w_up = tr.param_shardings["moe_layers"]["moe"]["mlp"]["w_up"].spec
+    assert w_up[0] == "pp" and w_up[1] == "ep"
     ref_loss, ref = _reference(every=2)
     assert abs(loss / ref_loss - 1) < 1e-4
     _assert_close(g, ref)
