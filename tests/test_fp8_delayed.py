@@ -137,6 +137,54 @@ def test_layout_keeps_one_devices_history(name):
             assert np.abs(leaf - r).max() <= tol * np.abs(r).max(), jax.tree_util.keystr(path)
 
 
+def _moe_run(steps: int, **layout):
+    """tests/test_fp8.py's tiny MoE (8 experts, top-2, a shared expert, layer 0 dense) trained
+    ``steps`` steps with delayed FP8 on rank-coded rows."""
+    from jaxpar import config as C
+
+    cfg = small_config(fp8="delayed", **layout)
+    moe = C.MoeConfig(experts=8, top_k=2, shared_experts=1, expert_ff=16, first_dense=1)
+    cfg.model = C.ModelConfig(name="tiny-moe-test", n_layers=3, d_model=32, n_heads=4,
+                              n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=32,
+                              moe=moe)  # fmt: skip
+    cfg.train.global_batch, cfg.train.seq_len = 8, 16
+    tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
+    state, out = tr.init_state(0), []
+    for i in range(steps):
+        rows = np.random.default_rng(i).integers(0, 64, (8, 17)).astype(np.int32)
+        rows[:, 0] = np.arange(8)  # rank-coded: a row routed to the wrong rank shows
+        state, m = tr.step(state, jax.device_put(rows, tr.batch_sharding))
+        out.append((float(m["loss"]), int(m["fp8_overflow"])))
+    return out, jax.tree.map(np.asarray, tr.convert(state["params"], "canonical"))
+
+
+def test_moe_experts_keep_one_devices_history():
+    """Each routed expert's amax history (``[E, 3, BUCKETS]`` per MoE layer, split over ep like
+    the experts): dp 2 × ep 2 keeps one device's histories, losses, overflow counts and trained
+    parameters over two steps (the second quantizing with the first's history)."""
+    ref_out, ref = _moe_run(2)
+    out, got = _moe_run(2, dp=2, ep=2)
+    for (loss, over), (ref_loss, ref_over) in zip(out, ref_out, strict=True):
+        assert abs(loss / ref_loss - 1) < 1e-5 and over == ref_over
+    hists = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(got)[0]:
+        r = ref
+        for k in path:
+            r = r[k.key]
+        if "fp8_" in jax.tree_util.keystr(path):
+            hists += 1
+            for h in (1, 16):
+                np.testing.assert_array_equal(fp8.hist_bucket(leaf, h), fp8.hist_bucket(r, h))
+        else:
+            assert np.abs(leaf - r).max() <= 1e-5 * np.abs(r).max(), jax.tree_util.keystr(path)
+    routed = ref["moe_layers"]["moe"]["mlp"]["fp8_down"]
+    assert routed.shape[1:] == (8, 3, fp8.BUCKETS)  # [groups, experts, operands, buckets]
+    assert np.any(fp8.hist_bucket(routed, 1) >= 0)  # recorded by the steps
+    # leaves (each stacked over its layers): the dense block's 4 GEMMs; the MoE blocks'
+    # attention (2), shared expert (2) and routed experts (3)
+    assert hists == 4 + 2 + 2 + 3
+
+
 def test_overflow_is_counted_and_the_history_catches_up():
     cfg = small_config(fp8="delayed")
     tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[:1]))
@@ -189,10 +237,6 @@ def test_mismatched_history_refused_in_one_line():
     # the layout's own rules: a history length the ages can hold, no MoE
     cfg = small_config(fp8="delayed", compute_dtype="bfloat16", fp8_history=255)
     with pytest.raises(ConfigError, match=r"layout.fp8_history=255: must be an integer in 1..254"):
-        V.check_fp8(cfg.model, cfg.layout)
-    cfg.layout.fp8_history = 16
-    cfg.model.moe.experts = 4
-    with pytest.raises(ConfigError, match="layout.fp8='delayed': not supported for MoE"):
         V.check_fp8(cfg.model, cfg.layout)
 
 

@@ -21,12 +21,12 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False,
                  fp8_history: bool = False):  # fmt: skip
         """``fp8_history``: the FP8 GEMMs' amax histories of a delayed recipe
-        (:mod:`jaxpar.model.fp8`; dense blocks only)."""
+        (:mod:`jaxpar.model.fp8`)."""
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs, fp8_history)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         # The one switch between a dense and a MoE block: which feed-forward it holds.
-        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs, fp8_history=fp8_history)
+        self.mlp = MoE(cfg, rngs, fp8_history) if moe else MLP(cfg, rngs, fp8_history=fp8_history)
 
     def __call__(
         self, x_BxSxD: jax.Array, positions_S: jax.Array, attend: Attend | None = None

@@ -279,19 +279,22 @@ def history_init() -> jax.Array:
     return jnp.full((len(OPERANDS), BUCKETS), NEVER, jnp.float32)
 
 
-def _needed(t: jax.Array, dtype: Any, per: float = 1.0) -> jax.Array:
-    """The bucket (exponent - K_LO) of the power-of-two scale current scaling gives ``t / per``,
-    and whether it has one (a finite, nonzero amax)."""
-    amax = jnp.max(jnp.abs(t)).astype(jnp.float32) / per
+def _needed(t: jax.Array, dtype: Any, per: float = 1.0, axes: tuple[int, ...] | None = None
+            ) -> jax.Array:  # fmt: skip
+    """The bucket (exponent - K_LO) of the power-of-two scale current scaling gives ``t / per``
+    (reduced over ``axes``, default all), and whether it has one (a finite, nonzero amax)."""
+    amax = jnp.max(jnp.abs(t), axis=axes).astype(jnp.float32) / per
     mant, exp = jnp.frexp(amax / float(jnp.finfo(dtype).max))
     b = jnp.clip(exp - (mant == 0.5).astype(exp.dtype) - K_LO, 0, BUCKETS - 1)
     return b, (amax > 0) & jnp.isfinite(amax)
 
 
-def _record(t: jax.Array, dtype: Any, per: float = 1.0) -> jax.Array:
-    """One-hot ``[BUCKETS]`` of the scale ``t / per`` needs (zeros for an all-zero tensor)."""
-    b, ok = _needed(t, dtype, per)
-    return jax.nn.one_hot(b, BUCKETS, dtype=jnp.float32) * ok
+def _record(t: jax.Array, dtype: Any, per: float = 1.0, axes: tuple[int, ...] | None = None
+            ) -> jax.Array:  # fmt: skip
+    """One-hot ``[..., BUCKETS]`` of the scale ``t / per`` needs, reduced over ``axes`` (default
+    all; zeros for an all-zero tensor)."""
+    b, ok = _needed(t, dtype, per, axes)
+    return jax.nn.one_hot(b, BUCKETS, dtype=jnp.float32) * ok[..., None]
 
 
 def hist_bucket(age: jax.Array, history: int) -> jax.Array:
@@ -405,11 +408,22 @@ def _edot(a, b, ca: int, cb: int, out) -> jax.Array:
     return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((0,), (0,))), preferred_element_type=out)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def experts(x_ExNxD: jax.Array, w_ExDxF: jax.Array, recipe: Recipe) -> jax.Array:
+def experts(x_ExNxD: jax.Array, w_ExDxF: jax.Array, recipe: Recipe,
+            history: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """``einsum("end,edf->enf")``: each routed expert's GEMM in FP8 with ``recipe``; a
     tensorwise scale is per expert (its token buffer over every dp rank, its weight), a rowwise
-    one per row of each expert's operands, as :func:`tensordot`'s."""
+    one per row of each expert's operands, as :func:`tensordot`'s; a delayed one per expert
+    from ``history`` (``[E, 3, BUCKETS]``, the expert's amax history)."""
+    if recipe.delayed:
+        if history is None:
+            raise ValueError(f"layout.fp8={recipe.name!r}: these experts have no amax history")
+        return _experts_delayed(x_ExNxD, w_ExDxF, history, recipe)
+    return _experts_current(x_ExNxD, w_ExDxF, recipe)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _experts_current(x_ExNxD: jax.Array, w_ExDxF: jax.Array, recipe: Recipe) -> jax.Array:
+    """:func:`experts` with current scaling."""
     return _experts_fwd(x_ExNxD, w_ExDxF, recipe)[0]
 
 
@@ -444,4 +458,40 @@ def _experts_bwd(recipe, res, dy):
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-experts.defvjp(_experts_fwd, _experts_bwd)
+_experts_current.defvjp(_experts_fwd, _experts_bwd)
+
+
+def _eh_scale(history_Ex3xB: jax.Array, i: int, h: int) -> jax.Array:
+    """Per-expert delayed scales of operand ``i``, ``[E, 1, 1]``."""
+    return _hist_scale(history_Ex3xB[:, i], h)[:, None, None]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _experts_delayed(x, w, history, recipe: Recipe) -> jax.Array:
+    """:func:`experts` with delayed scaling: per-expert scales from ``history``."""
+    return _experts_delayed_fwd(x, w, history, recipe)[0]
+
+
+def _experts_delayed_fwd(x, w, history, recipe):
+    sx = fp8_scale(_eh_scale(history, 0, recipe.history))
+    sw = fp8_scale(_eh_scale(history, 1, recipe.history))
+    y = _edot(_quantize(x, sx, E4M3), _quantize(w, sw, E4M3), 2, 1, x.dtype) * (sx * sw)
+    return y.astype(x.dtype), (x, w, history)
+
+
+def _experts_delayed_bwd(recipe, res, dy):
+    x, w, history = res
+    g, per = recipe.grad_dtype, _cotangent_scale()  # per: as tensordot's dy (_delayed_bwd)
+    sx, sw = _eh_scale(history, 0, recipe.history), _eh_scale(history, 1, recipe.history)
+    sdy = _eh_scale(history, 2, recipe.history) * per
+    qdy = _quantize(dy, sdy, g)
+    dx = _edot(qdy, _quantize(w, sw, E4M3), 2, 2, x.dtype) * (sdy * sw)
+    dw = _edot(_quantize(x, sx, E4M3), qdy, 1, 1, w.dtype) * (sx * sdy)
+    # per expert: the scale its token buffer, weight and gradient needed here (the expert's
+    # data-parallel ranks' one-hots are summed with its gradients)
+    seen = [_record(x, E4M3, 1.0, (1, 2)), _record(w, E4M3, 1.0, (1, 2)),
+            _record(dy, g, per, (1, 2))]  # fmt: skip
+    return dx.astype(x.dtype), dw.astype(w.dtype), jnp.stack(seen, 1).astype(history.dtype)
+
+
+_experts_delayed.defvjp(_experts_delayed_fwd, _experts_delayed_bwd)

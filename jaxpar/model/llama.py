@@ -197,10 +197,11 @@ def _stack(factory: Callable[[nnx.Rngs], nnx.Module], key: jax.Array, n: int) ->
 class _MoeGroup(nnx.Module):
     """``every - 1`` dense blocks, then one MoE block."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, fp8_history: bool = False):
         if cfg.moe.every > 1:
-            self.dense = _stack(lambda r: Block(cfg, r), rngs.params(), cfg.moe.every - 1)
-        self.moe = Block(cfg, rngs, moe=True)
+            block = lambda r: Block(cfg, r, fp8_history=fp8_history)  # noqa: E731
+            self.dense = _stack(block, rngs.params(), cfg.moe.every - 1)
+        self.moe = Block(cfg, rngs, moe=True, fp8_history=fp8_history)
 
 
 class _Full(nnx.Module):
@@ -211,7 +212,8 @@ class _Full(nnx.Module):
             self.layers = _stack(block, rngs.params(), cfg.dense_prefix())
         if cfg.moe.enabled:
             groups = cfg.moe_layers()
-            self.moe_layers = _stack(lambda r: _MoeGroup(cfg, r), rngs.params(), groups)
+            group = lambda r: _MoeGroup(cfg, r, fp8_history)  # noqa: E731
+            self.moe_layers = _stack(group, rngs.params(), groups)
         self.head = Head(cfg, rngs)
 
 
@@ -237,7 +239,12 @@ class Model:
         for name, factory in (
             ("embed", lambda: Embed(cfg, nnx.Rngs(params=0))),
             ("block", lambda: Block(cfg, nnx.Rngs(params=0), fp8_history=fp8_history)),
-            ("moe_block", lambda: Block(cfg, nnx.Rngs(params=0), moe=cfg.moe.enabled)),
+            (
+                "moe_block",
+                lambda: Block(
+                    cfg, nnx.Rngs(params=0), moe=cfg.moe.enabled, fp8_history=fp8_history
+                ),
+            ),  # fmt: skip
             ("head", lambda: Head(cfg, nnx.Rngs(params=0))),
         ):
             self._defs[name] = nnx.split(nnx.eval_shape(factory))

@@ -134,19 +134,21 @@ def route(cfg: ModelConfig, logits_BxSxE: jax.Array, bias_E: jax.Array, c: int) 
     return Routing(slot_BxSxK, gate_BxSxK, stats)
 
 
-def _experts(x_ExNxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    """The routed experts as batched einsums over equal groups (SwiGLU per expert)."""
+def _experts(x_ExNxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *histories):
+    """The routed experts as batched einsums over equal groups (SwiGLU per expert);
+    ``histories``: the gate, up and down GEMMs' amax histories under a delayed FP8 recipe."""
     dt = x_ExNxD.dtype
     recipe = fp8.active()  # layout.fp8: each expert's GEMMs in FP8 (jaxpar.model.fp8)
+    h_gate, h_up, h_down = histories or (None, None, None)
     if recipe is None:
-        mm = lambda x, w: jnp.einsum("end,edf->enf", x, w)  # noqa: E731
+        mm = lambda x, w, h: jnp.einsum("end,edf->enf", x, w)  # noqa: E731
     else:
-        mm = lambda x, w: projected(fp8.experts(x, w, recipe))  # noqa: E731
-    g = mm(x_ExNxD, weight(w_gate_ExDxF.astype(dt)))
-    u = mm(x_ExNxD, weight(w_up_ExDxF.astype(dt)))
+        mm = lambda x, w, h: projected(fp8.experts(x, w, recipe, h))  # noqa: E731
+    g = mm(x_ExNxD, weight(w_gate_ExDxF.astype(dt)), h_gate)
+    u = mm(x_ExNxD, weight(w_up_ExDxF.astype(dt)), h_up)
     # Column-parallel up (F on tp), row-parallel down: one all-reduce over tp of [E, N, D].
     h_ExNxF = constrain(jax.nn.silu(g) * u, ("experts", None, "mlp"))
-    y = mm(h_ExNxF, weight(w_down_ExFxD.astype(dt)))
+    y = mm(h_ExNxF, weight(w_down_ExFxD.astype(dt)), h_down)
     return constrain(y, ("experts", None, "embed"))
 
 
@@ -202,7 +204,7 @@ def _in_region(fn, x_BxSxD, slot, gate, ws):
 
     return jax.shard_map(
         body,
-        in_specs=(rows, rows, rows, (experts,) * 3),
+        in_specs=(rows, rows, rows, (experts,) * len(ws)),
         out_specs=rows,
         axis_names=set(axes),
         check_vma=False,
@@ -212,7 +214,9 @@ def _in_region(fn, x_BxSxD, slot, gate, ws):
 class MoE(nnx.Module):
     """Router, routed experts and shared experts of one MoE block."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, fp8_history: bool = False):
+        """``fp8_history``: the experts' and shared experts' amax histories of a delayed FP8
+        recipe (:mod:`jaxpar.model.fp8`), per routed expert ``[E, 3, BUCKETS]``."""
         e, d, f, std = cfg.moe, cfg.d_model, cfg.expert_ff, cfg.init_std
         down_std = std / (2 * cfg.n_layers) ** 0.5
 
@@ -229,7 +233,12 @@ class MoE(nnx.Module):
             normal((e.experts, f, d), down_std), logical_axes=("experts", "mlp", "embed")
         )
         if e.shared_experts:
-            self.shared = MLP(cfg, rngs, d_ff=e.shared_experts * f)
+            self.shared = MLP(cfg, rngs, d_ff=e.shared_experts * f, fp8_history=fp8_history)
+        if fp8_history:
+            axes = ("experts", "fp8_operand", "fp8_bucket")
+            for name in ("gate", "up", "down"):
+                hist = jnp.broadcast_to(fp8.history_init(), (e.experts, *fp8.history_init().shape))
+                setattr(self, f"fp8_{name}", fp8.History(hist, logical_axes=axes))
 
     def __call__(self, x_BxSxD: jax.Array) -> tuple[jax.Array, MoeStats]:
         cfg = self.cfg
@@ -239,6 +248,8 @@ class MoE(nnx.Module):
         c = capacity(cfg, x_BxSxD.shape[1])
         r = route(cfg, logits, self.bias[...], c)
         ws = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        if hasattr(self, "fp8_gate"):  # delayed FP8: the histories travel with the weights
+            ws = (*ws, self.fp8_gate[...], self.fp8_up[...], self.fp8_down[...])
         parallel, manual = _ep_state()
         ep = jax.sharding.get_abstract_mesh().shape[EP_AXIS] if parallel else 1
         if cfg.moe.ragged(target()[1], ep):
