@@ -92,9 +92,9 @@ def test_gpu_scheduler_memory_pressure_leaves_nothing_overlapped():
     assert not any("memory pressure" in f for f in two.flags)
     z1, z2 = ([c for c in cand.cost.comm if c.label.startswith("ZeRO-3 per-layer")][0]
               for cand in (one, two))  # fmt: skip
-    # under the limit the gathers hide only behind the compute XLA:GPU places beside them
-    # (frameworks.ZERO3_WINDOW): the compiled program exposes 3.76 of 5.62 s (67%)
-    assert z1.hidden_s == 0 and 0.5 < z2.exposed_s / z2.seconds < 0.85
+    # under the limit the gathers hide only behind the kernel XLA:GPU places beside each
+    # (jaxpar.planner.zero3): the compiled program (grid at cb6b2e3) exposes 3.29 s of dp
+    assert z1.hidden_s == 0 and 0.4 < z2.exposed_s / z2.seconds < 0.85
     assert memory_pressure(C.load_mesh("cpu-8").hardware, one.memory) is None
     slop = "--xla_gpu_memory_limit_slop_factor="
     assert f"{slop}300" in hw.xla_flags
@@ -302,7 +302,7 @@ def test_priced_calls_move_the_bytes_of_the_stage_theory(zero):
 
 def test_planner_prices_what_the_compiled_gpu_program_overlaps():
     """On a GPU pod jaxpar's executor hides what its compiled XLA:GPU program hides
-    (frameworks.ZERO3_WINDOW, RING_HIDDEN, reduce_after_backward); published frameworks'
+    (Executor.zero3_stream, RING_HIDDEN, reduce_after_backward); published frameworks'
     executors are untouched."""
     from jaxpar.planner import frameworks as F
     from jaxpar.planner import published_runs as PR
@@ -310,9 +310,9 @@ def test_planner_prices_what_the_compiled_gpu_program_overlaps():
 
     gpu, cpu = C.load_mesh("h100-8").hardware, C.load_mesh("cpu-8").hardware
     ex = F.for_target(gpu)
-    assert ex.zero3_window == F.ZERO3_WINDOW and ex.ring_hidden == F.RING_HIDDEN
+    assert ex.zero3_stream and ex.ring_hidden == F.RING_HIDDEN
     assert ex.overlap_dp == 1.0  # ZeRO-2's per-micro-batch buckets keep their window
-    assert F.for_target(cpu).ring_hidden == 0 and F.for_target(cpu).zero3_window == 1.0
+    assert F.for_target(cpu).ring_hidden == 0 and not F.for_target(cpu).zero3_stream
     assert F.for_target(gpu, PR.MEGATRON_2022) == PR.MEGATRON_2022
     model, shape = C.load_model("llama3-8b"), Shape(8, 4096)
     sp = C.LayoutConfig(dp=1, tp=8, sequence_parallel=True, compute_dtype="bfloat16")

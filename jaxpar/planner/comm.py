@@ -28,7 +28,10 @@ compute's length; the rest is exposed and adds to the step.
 * **dp, ZeRO-3**: per layer and micro-batch an all-gather in the forward (the next layer's,
   prefetched behind this layer's forward), an all-gather and a reduce-scatter in the backward
   (behind this layer's backward); the first gather of each pass and the last reduce-scatter
-  have nothing before them and are exposed, as are the embedding/head gathers.
+  have nothing before them and are exposed, as are the embedding/head gathers. jaxpar's
+  program on a GPU (``Executor.zero3_stream``): one gather per weight group, each one kernel
+  ahead of its consumer, and the layer's reduce-scatter, walked on one collective stream
+  (:mod:`jaxpar.planner.zero3`).
 * **dp, ZeRO 0-2**: the gradient reduction split into buckets by XLA's combiner thresholds
   (:func:`jaxpar.planner.collectives.combined_calls`), hidden behind one micro-batch's backward
   (ZeRO 0/1 reduce after the last micro-batch; ZeRO-2 after each), the last bucket exposed;
@@ -53,6 +56,7 @@ from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.planner import fp8 as F8
 from jaxpar.planner import moe as MOE
+from jaxpar.planner import zero3 as Z3
 from jaxpar.planner.activations import kv_heads_local
 from jaxpar.planner.collectives import call_time, combined_calls
 from jaxpar.planner.frameworks import Executor
@@ -260,7 +264,7 @@ def dp_terms(model, hw, lay, shape, lt: LayerTime, ex: Executor) -> list[CommTer
     f_layer = lt.forward
     b_layer = lt.backward + lt.backward_comm + (f_layer if lay.remat == "full" else lt.recompute)
     if lay.zero == 3:
-        out = _zero3_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex)
+        out = _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex)
     else:
         out = _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex)
     groups = lay.dp // n
@@ -280,26 +284,53 @@ def dp_terms(model, hw, lay, shape, lt: LayerTime, ex: Executor) -> list[CommTer
     return out
 
 
-def _zero3_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> list[CommTerm]:
-    """ZeRO-3: per layer per pass, prefetched behind the neighbouring layer's compute."""
+def _zero3_groups(hw, lt: LayerTime, wire: float, n: int, stride: int, f_layer: float,
+                  b_layer: float) -> list[Z3.Group]:  # fmt: skip
+    """A layer's weight groups (:attr:`LayerTime.weight_groups`) as :mod:`jaxpar.planner.zero3`
+    walks them: each group's share of the layer's forward ``f_layer`` and backward ``b_layer``
+    (exposed tp calls and recompute included) by its kernels' seconds, and its gather's
+    seconds, ``wire`` (one layer's gather wire bytes) split by its parameters."""
+    secs = sum(s for s, _ in lt.weight_groups)
+    params = sum(p for _, p in lt.weight_groups)
+    groups = [Z3.Group(f_layer * s / secs, b_layer * s / secs,
+                       call_time(hw, "all-gather", wire * p / params, n, stride).seconds)
+              for s, p in lt.weight_groups]  # fmt: skip
+    return groups
+
+
+def _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex) -> list[CommTerm]:
+    """ZeRO-3: per layer per pass, prefetched behind the neighbouring compute (module
+    docstring; jaxpar on a GPU: :mod:`jaxpar.planner.zero3`)."""
     r = T.ring_factor(n)
     wr, wc = DTYPE_BYTES[lay.reduce_dtype], DTYPE_BYTES[lay.compute_dtype]
     per_layer = pc.blocks / layers
     ag = call_time(hw, "all-gather", per_layer * r * wc, n, stride)
     rs = call_time(hw, "reduce-scatter", per_layer * r * wr, n, stride)
-    ov = ex.overlap_dp * ex.zero3_window  # the compute the program places beside a call
-    # forward: layer i+1's gather behind layer i's forward; the first has nothing before it
-    fwd_exposed = ag.seconds + (layers - 1) * max(0.0, ag.seconds - ov * f_layer)
     pair = ag.seconds + rs.seconds  # backward: regather and reduce-scatter behind the layer's
-    bwd_exposed = pair + (layers - 1) * max(0.0, pair - ov * b_layer)
     total = layers * (ag.seconds + pair)
+    behind = "the neighbouring layer's forward/backward (prefetch)"
+    calls = 3
+    # checked on programs without full recompute; under it (llama2-70b dp 64, a100-64) XLA:GPU
+    # started a layer's gathers together at its start and waited on each reduce-scatter at once,
+    # which neither pricing describes (BENCHMARKS.md): the share stays there
+    if ex.zero3_stream and ex.overlap_dp and lt.weight_groups and lay.remat != "full":
+        # each weight group's gather one kernel ahead of its consumer, one stream
+        groups = _zero3_groups(hw, lt, per_layer * r * wc, n, stride, f_layer, b_layer)
+        behind = "the kernel before each weight group's consumer (one stream)"
+        fwd_exposed, bwd_exposed = Z3.exposed(groups, layers, rs.seconds, lt.chunks)
+        total = layers * (2 * sum(g.gather_s for g in groups) + rs.seconds)
+        calls = 2 * len(groups) + 1
+    else:
+        ov = ex.overlap_dp * ex.zero3_window  # the compute the program places beside a call
+        # forward: layer i+1's gather behind layer i's forward; the first has nothing before
+        fwd_exposed = ag.seconds + (layers - 1) * max(0.0, ag.seconds - ov * f_layer)
+        bwd_exposed = pair + (layers - 1) * max(0.0, pair - ov * b_layer)
     link = _link(hw, stride, n)
     algo = f"{ag.algorithm}/{ag.protocol}"
     out = [CommTerm("dp_comm", "ZeRO-3 per-layer all-gather ×2 + reduce-scatter",
-                    m * layers * per_layer * r * (2 * wc + wr), m * layers * 3, m * total,
+                    m * layers * per_layer * r * (2 * wc + wr), m * layers * calls, m * total,
                     m * layers * (2 * ag.latency_s + rs.latency_s),
-                    m * (total - fwd_exposed - bwd_exposed), link, algo,
-                    "the neighbouring layer's forward/backward (prefetch)")]  # fmt: skip
+                    m * (total - fwd_exposed - bwd_exposed), link, algo, behind)]  # fmt: skip
     embed = _tables(pc, lay)
     if embed:
         # gathered before the first layer and reduced after the last: nothing beside them

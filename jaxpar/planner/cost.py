@@ -194,9 +194,19 @@ def layer_time(
         ring = ex.ring_hidden
     # a flash kernel's backward beyond twice its forward, as the time model prices it
     extra = (FLASH_BACKWARD - 2) * attn if ex.kernels == "published" else 0.0
+    # the weight groups ZeRO-3 gathers one at a time (jaxpar.planner.zero3): QKV with the
+    # attention core after it, the output, then the MLP's gate and up (two weights, two
+    # gathers) and down; the memory-bound work spread evenly over them
+    params = [d * (q + 2 * kv), q * d, d * ff, model.d_ff / t * d]
+    groups = [(secs[0] + attn, params[0]), (secs[1], params[1])]
+    halves = 2 if model.mlp == "swiglu" else 1
+    groups += [(secs[2] / halves, params[2] / halves)] * halves + [(secs[3], params[3])]
+    groups = [(s_ + elementwise / len(groups), p_) for s_, p_ in groups]
+    rings = lay.sequence_parallel and lay.tp > 1 and not F8.on(lay)  # FP8: GSPMD's gathers
     return LayerTime(compute=compute, matmul=sum(secs) + attn, attention=attn, tp=tp, sp=sp,
                      efficiency=eff, recompute=recompute, overlap_tp=ex.overlap_tp,
-                     ring_hidden=ring, backward_extra=extra)  # fmt: skip
+                     ring_hidden=ring, backward_extra=extra, weight_groups=tuple(groups),
+                     chunks=lay.tp if rings else 1)  # fmt: skip
 
 
 def moe_ffn_delta(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape,

@@ -90,8 +90,11 @@ class Executor:
       what stays exposed is structural (a backward ring step's two sends share one window and
       XLA:GPU runs one collective-permute at a time), so it scales with the traffic.
     * ``zero3_window``: share of the neighbouring layer's compute a ZeRO-3 per-layer all-gather
-      or reduce-scatter actually has beside it in the compiled program (times ``overlap_dp``;
-      :data:`ZERO3_WINDOW` for jaxpar on a GPU, :func:`for_target`).
+      or reduce-scatter has beside it (times ``overlap_dp``): 1 for the published frameworks'
+      prefetch. ``zero3_stream``: instead, each weight group's gather and each layer's
+      reduce-scatter walked on one collective stream with the window XLA:GPU gives it, one
+      kernel ahead of its consumer (:mod:`jaxpar.planner.zero3`; jaxpar on a GPU,
+      :func:`for_target`).
     * ``reduce_after_backward``: ZeRO 0/1 reduce the accumulated gradient after the last
       micro-batch's backward (jaxpar: one ``psum``/``psum_scatter`` of the accumulator, after a
       pipeline's last tick too), so nothing in the backward hides it; ``False``: the framework
@@ -142,6 +145,7 @@ class Executor:
     ring_hidden: float = 0.0
     reduce_after_backward: bool = False
     zero3_window: float = 1.0
+    zero3_stream: bool = False
     kernels: str = "fitted"
     program_bytes: bool = False
 
@@ -188,15 +192,13 @@ PIPELINED_COLLECTIVES = (
 # (jaxpar.gpu.timing over scripts/bench_gpu_grid.py's rows). Each is calibrated on one grid row
 # and checked on others (BENCHMARKS.md, "The planner held to the program"):
 #
-# ZERO3_WINDOW: Executor.zero3_window, the share of a layer's neighbouring compute that hides its
-# ZeRO-3 all-gather / reduce-scatter. XLA:GPU splits a layer's packed gather into one
-# collective per weight group and places each just ahead of its consumer, so a window holds
-# about one matmul of the layer's four to six, not the whole layer. Calibrated on llama2-70b
-# dp 32 x tp 2 + SP, 2 micro-batches, a100-64; checked on llama3-8b dp 8 ZeRO-3, h100-8.
-# At the time model's kernel ceilings one share no longer fits both (BENCHMARKS.md, "Split
-# backward measured per action": the 70B program leaves 3.29 s of dp exposed, which 0.45
-# would price at 1.80 s; llama3-8b's layer shape at 4 layers on NVLink hides every per-layer
-# call past the first, which takes 0.45 here).
+# ZeRO-3 (Executor.zero3_stream): no share of the layer is calibrated. XLA:GPU gathers a layer's
+# weights one group at a time, each one kernel ahead of its consumer, and the calls share one
+# stream (jaxpar.planner.zero3); a share fitted on one program (0.2 on llama2-70b dp 32 x tp 2
+# + SP at the fitted ceilings) did not describe another (0.45 on llama3-8b dp 8): BENCHMARKS.md,
+# "ZeRO-3 exposure walked per weight group". Under full recompute, which that walk was not
+# checked on (and a llama2-70b dp 64 program exposes 78% of its dp time), the share stays:
+# ZERO3_WINDOW, calibrated on llama2-70b dp 32 x tp 2 + SP at the fitted ceilings.
 ZERO3_WINDOW = 0.2
 # RING_HIDDEN: Executor.ring_hidden. Calibrated on llama3-8b tp 8 + SP, h100-8; checked on the
 # 70B pick's tp 2 rings and inside pipeline ticks, where the programs hide more of it (a tick's
@@ -286,7 +288,7 @@ def for_target(hw, executor: Executor = JAXPAR) -> Executor:
     all-gather or reduce-scatter, ``zero3_layers`` = 1 (a llama2-70b dp 64 ZeRO-3 step on
     a100-64 compiles to 1.01x the planner with it, 1.08x without; a 4-layer d 512 model over
     h100-8 1.06x and 1.57x, ``tests/test_gpu_compile.py``); on every GPU the overlap the
-    compiled program has (``ZERO3_WINDOW``, ``RING_HIDDEN``); and its kernels as the time model
+    compiled program has (``zero3_stream``, ``RING_HIDDEN``); and its kernels as the time model
     costs the compiled program: ``kernels="published"`` (the ceilings of
     :mod:`jaxpar.gpu.costs`, not the mesh curve fitted on published runs) and
     ``program_bytes`` (:data:`PROGRAM_BYTES`). Published frameworks' executors (not
@@ -295,7 +297,7 @@ def for_target(hw, executor: Executor = JAXPAR) -> Executor:
         return executor
     pipelined = any(f in (hw.xla_flags or ()) for f in PIPELINED_COLLECTIVES)
     return executor.with_(zero3_layers=1.0 if pipelined else executor.zero3_layers,
-                          zero3_window=ZERO3_WINDOW, ring_hidden=RING_HIDDEN,
+                          zero3_stream=True, zero3_window=ZERO3_WINDOW, ring_hidden=RING_HIDDEN,
                           kernels="published", program_bytes=True)  # fmt: skip
 
 

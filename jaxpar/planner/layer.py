@@ -39,6 +39,10 @@ class LayerTime:
     overlap_tp: float = 0.0  # share of the matmuls beside them that hides tp calls
     ring_hidden: float = 0.0  # share of the tp calls a collective matmul's rings hide
     backward_extra: float = 0.0  # backward compute beyond twice the forward (flash kernels)
+    # the weight groups XLA gathers one at a time (ZeRO-3), in the order the forward uses them:
+    # (forward seconds of its kernels, its local parameters); jaxpar.planner.zero3
+    weight_groups: tuple[tuple[float, float], ...] = ()
+    chunks: int = 1  # kernels each weight matmul runs as (tp ring chunks under Megatron-SP)
 
     @property
     def backward(self) -> float:
