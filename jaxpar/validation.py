@@ -505,12 +505,6 @@ def check_fp8(m: ModelConfig, lay: LayoutConfig) -> None:
                 f"layout.fp8_history={h!r}: must be an integer in 1..{int(NEVER) - 1} (steps of "
                 "amax history a delayed FP8 scale covers)"
             )
-    if m.moe.enabled and lay.fp8 == "rowwise":
-        # its expert backward differs from one device's by ~2% under dp (not yet explained)
-        raise ConfigError(
-            "layout.fp8='rowwise': not supported for MoE models yet (the routed experts' rowwise "
-            "backward does not reproduce one device); use layout.fp8='tensorwise'"
-        )
 
 
 # Compute capability of the first NVIDIA GPUs with FP8 tensor cores (Ada sm_89, Hopper sm_90).

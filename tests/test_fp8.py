@@ -200,12 +200,12 @@ def test_bf16_ends_run_their_blocks_without_fp8():
     assert min(abs(got - fp8_loss), abs(got - none)) > 1e-6 * abs(got)
 
 
-def _moe_grads(**layout):
-    """test_moe's tiny MoE (8 experts, top-2, a shared expert; layer 0 dense) with tensorwise
-    FP8, fp32 compute (built without the CLI's bf16 rule, as the layouts above)."""
+def _moe_grads(recipe: str, **layout):
+    """test_moe's tiny MoE (8 experts, top-2, a shared expert; layer 0 dense) with FP8,
+    fp32 compute (built without the CLI's bf16 rule, as the layouts above)."""
     from jaxpar import config as C
 
-    cfg = small_config(fp8="tensorwise", **layout)
+    cfg = small_config(fp8=recipe, **layout)
     moe = C.MoeConfig(experts=8, top_k=2, shared_experts=1, expert_ff=16, first_dense=1)
     cfg.model = C.ModelConfig(name="tiny-moe-test", n_layers=3, d_model=32, n_heads=4,
                               n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=32,
@@ -218,12 +218,16 @@ def _moe_grads(**layout):
     return float(loss), jax.tree.map(np.asarray, tr.convert(g, "canonical"))
 
 
-def test_moe_experts_fp8_equal_one_device():
-    """Each routed expert's GEMMs in FP8 (a scale per expert over its tokens on every edp
-    rank, not over ep, whose ranks hold other experts): dp 4 × ep 2 with ZeRO-3 reproduces one
-    device's gradients, the experts' included."""
-    ref_loss, ref = _moe_grads()
-    loss, g = _moe_grads(dp=4, ep=2, zero=3)
+@pytest.mark.parametrize(
+    "recipe, layout", [("tensorwise", dict(dp=4, ep=2, zero=3)), ("rowwise", dict(dp=2, ep=2))]
+)
+def test_moe_experts_fp8_equal_one_device(recipe, layout):
+    """Each routed expert's GEMMs in FP8 (a tensorwise scale per expert over its tokens on
+    every edp rank, not over ep, whose ranks hold other experts; rowwise scales per token row
+    and per column over the expert's tokens): dp × ep (with ZeRO-3) reproduces one device's
+    gradients, the experts' included."""
+    ref_loss, ref = _moe_grads(recipe)
+    loss, g = _moe_grads(recipe, **layout)
     assert abs(loss / ref_loss - 1) < 1e-6
     for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]:
         r = ref
@@ -240,11 +244,11 @@ def test_moe_experts_fp8_equal_one_device():
     [
         (dict(fp8="blockwise"), "layout.fp8='blockwise'"),
         (dict(fp8="tensorwise", compute_dtype="float32"), "needs layout.compute_dtype='bfloat16'"),
-        (
-            dict(fp8="rowwise", compute_dtype="bfloat16", moe=True),
-            "layout.fp8='rowwise': not supported for MoE models yet",
-        ),
         (dict(fp8_bf16_first=1), "layout.fp8_bf16_first=1: keeps blocks in bf16 under an FP8"),
+        (
+            dict(fp8="tensorwise", compute_dtype="bfloat16", fp8_bf16_first=1, moe=True),
+            "layout.fp8_bf16_first=1: not supported for MoE models yet",
+        ),
         (
             dict(fp8="tensorwise", compute_dtype="bfloat16", fp8_bf16_last=1, pp=2, microbatches=2),
             "layout.fp8_bf16_last=1: not supported with a pipeline yet",
