@@ -11,6 +11,10 @@ bytes are half the difference between the 4- and the 2-layer program's. From the
   :func:`jaxpar.planner.cost.layer_time` reads them), forward and backward together: the
   1- and 2-sequence micro-batches of one layout (``z1`` and ``z1-2seq``; ``tp8`` and
   ``tp8-2seq`` under Megatron-SP);
+* **FP8 under Megatron-SP** (``fp8_sp_act_passes``, ``fp8_tp_hidden``): the same activation
+  passes on dp 2 × tp 4 + SP ``--fp8 delayed`` (no collective-matmul rings under FP8), less
+  the quantization bytes the planner prices apart; and the share of one layer's tp collective
+  seconds the simulated schedule hides (``--fp8-only`` compiles these four programs alone);
 * **weight bytes** per local layer parameter: what remains of a layer's bytes after the
   activation passes, at 1, 2 and 4 micro-batches: a per-micro-batch part (the slope between 2
   and 4), a part the micro-batch loop adds once (2 less 1, less the slope) and a per-step part
@@ -29,6 +33,7 @@ present.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -55,6 +60,10 @@ LAYOUTS = {
     "z3-m4": (32, ("--dp", "8", "--tp", "1", "--zero", "3", "--microbatches", "4")),
     "tp8": (8, ("--dp", "1", "--tp", "8", "--sequence-parallel")),
     "tp8-2seq": (16, ("--dp", "1", "--tp", "8", "--sequence-parallel")),
+    # FP8 under Megatron-SP: no collective-matmul rings (GSPMD places the FP8 gathers); another
+    # shape than the llama3-8b tp 8 + SP rows the planner is checked on
+    "tp4-fp8": (2, ("--dp", "2", "--tp", "4", "--sequence-parallel", "--fp8", "delayed")),
+    "tp4-fp8-2seq": (4, ("--dp", "2", "--tp", "4", "--sequence-parallel", "--fp8", "delayed")),
 }
 
 
@@ -75,8 +84,9 @@ def compile_one(name: str, layers: int, out: Path) -> Path:
     return hlo
 
 
-def memory_bytes(hlo: Path) -> float:
-    """Bytes of the compute stream's memory-bound kernels in one simulated step."""
+@functools.cache
+def simulated(hlo: Path):
+    """(the simulated step of one program, the target's hardware)."""
     from jaxpar import config as C
     from jaxpar.analysis.hlo_text import parse
     from jaxpar.gpu.lhs import mesh_of
@@ -87,7 +97,19 @@ def memory_bytes(hlo: Path) -> float:
     st = simulate(parse(hlo.read_text()), mesh_of(layout), hw)
     if st.events_dropped:
         raise SystemExit(f"{hlo}: {st.events_dropped} events dropped; the sum would be short")
+    return st, hw
+
+
+def memory_bytes(hlo: Path) -> float:
+    """Bytes of the compute stream's memory-bound kernels in one simulated step."""
+    st, hw = simulated(hlo)
     return sum(e.dur for e in st.events if e.stream == "compute" and e.kind == "memory") * hw.hbm_bw
+
+
+def tp_seconds(hlo: Path) -> tuple[float, float]:
+    """(all, exposed) seconds of the step's collectives over ``tp`` alone."""
+    st, _ = simulated(hlo)
+    return st.comm_s.get("tp", 0.0), st.exposed_s.get("tp", 0.0)
 
 
 def layer_figures(name: str, out: Path) -> dict:
@@ -96,35 +118,61 @@ def layer_figures(name: str, out: Path) -> dict:
 
     from jaxpar import config as C
     from jaxpar.analysis.theory import DTYPE_BYTES
+    from jaxpar.planner import fp8 as F8
     from jaxpar.planner.activations import block_residuals
     from jaxpar.planner.shapes import param_counts
 
-    two, four = (memory_bytes(compile_one(name, n, out)) for n in (2, 4))
+    hlos = [compile_one(name, n, out) for n in (2, 4)]
+    two, four = (memory_bytes(h) for h in hlos)
+    (c2, e2), (c4, e4) = (tp_seconds(h) for h in hlos)
     batch, flags = LAYOUTS[name]
     cfg = C.load("llama3-8b", "h100-8")
-    args = dict(zip(flags[::2], flags[1::2], strict=False))
+    args, i = {}, 0  # "--flag value" pairs and bare switches
+    while i < len(flags):
+        bare = i + 1 == len(flags) or flags[i + 1].startswith("--")
+        args[flags[i]] = None if bare else flags[i + 1]
+        i += 1 if bare else 2
     lay = dataclasses.replace(
         cfg.layout, dp=int(args.get("--dp", 1)), tp=int(args.get("--tp", 1)), pp=1, sp=1,
         zero=int(args.get("--zero", cfg.layout.zero)),
-        microbatches=int(args.get("--microbatches", 1)),
-        sequence_parallel="--sequence-parallel" in flags)  # fmt: skip
+        microbatches=int(args.get("--microbatches", 1)), fp8=args.get("--fp8") or "none",
+        sequence_parallel="--sequence-parallel" in args)  # fmt: skip
     model = dataclasses.replace(cfg.model, n_layers=2)
     tokens = batch * SEQ / lay.dp / lay.microbatches  # per micro-batch on one device
     res = block_residuals(model, lay, SEQ, "blockwise", "none")
     wc = DTYPE_BYTES[lay.compute_dtype]
     act = res.bytes(tokens, wc) - res.weights * wc
     pc = param_counts(model, lay)
+    # the planner prices FP8's quantization apart: forward and backward, 3 x the forward's
+    quant = 3 * F8.quant_bytes(model, lay, tokens)
     return {"layer_bytes": (four - two) / 2, "act_bytes": act, "microbatches": lay.microbatches,
-            "layer_params": pc.blocks / 2, "two_layers": two, "four_layers": four}  # fmt: skip
+            "layer_params": pc.blocks / 2, "two_layers": two, "four_layers": four,
+            "quant_bytes": quant, "layer_tp_s": (c4 - c2) / 2,
+            "layer_tp_exposed_s": (e4 - e2) / 2}  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hlo-dir", default=None, help="keep (and reuse) the compiled programs here")
+    p.add_argument("--fp8-only", action="store_true",
+                   help="compile and print the FP8 layouts' figures alone")  # fmt: skip
     args = p.parse_args()
     out = Path(args.hlo_dir or tempfile.mkdtemp(prefix="jaxpar-calib-"))
     out.mkdir(parents=True, exist_ok=True)
-    f = {n: layer_figures(n, out) for n in LAYOUTS}
+    names = [n for n in LAYOUTS if "fp8" in n or not args.fp8_only]
+    f = {n: layer_figures(n, out) for n in names}
+    a, b = f["tp4-fp8"], f["tp4-fp8-2seq"]
+    fp8 = {  # FP8's quantization bytes are priced apart (jaxpar.planner.fp8.quant_bytes)
+        "fp8_sp_act_passes": ((b["layer_bytes"] - b["quant_bytes"])
+                              - (a["layer_bytes"] - a["quant_bytes"]))
+        / (b["act_bytes"] - a["act_bytes"]),
+        # share of one layer's tp collective seconds the scheduler hides (FP8_TP_HIDDEN)
+        "fp8_tp_hidden": 1 - b["layer_tp_exposed_s"] / b["layer_tp_s"],
+        "fp8_tp_hidden_1seq": 1 - a["layer_tp_exposed_s"] / a["layer_tp_s"],
+    }  # fmt: skip
+    if args.fp8_only:
+        print(json.dumps({"layers": f, **fp8}, indent=1))
+        return
 
     def passes(one: str, two: str) -> float:  # bytes that grow with the tokens, per act byte
         a, b = f[one], f[two]
@@ -148,6 +196,7 @@ def main() -> None:
         "layers": f,
         "act_passes": act,
         "sp_act_passes": sp,
+        **fp8,
         "weight_bytes": {
             "zero0": weights("z0", "z0-m2", "z0-m4", act),
             "zero1": weights("z1", "z1-m2", "z1-m4", act),

@@ -168,6 +168,9 @@ def layer_time(
     mats = [(tokens, d, q + 2 * kv), (tokens, q, d), (tokens, d, ff), (tokens, model.d_ff / t, d)]
     peak = F8.gemm_peak(hw, lay)  # FP8's under layout.fp8 (jaxpar.planner.fp8)
     secs, flops = zip(*(_matmul(hw, *x, peak, ex) for x in mats), strict=True)
+    if peak != hw.peak_flops_bf16 and (f8 := F8.share(model, lay)) < 1:  # bf16 end blocks
+        bf16 = [_matmul(hw, *x, None, ex)[0] for x in mats]
+        secs = tuple(f8 * a + (1 - f8) * b_ for a, b_ in zip(secs, bf16, strict=True))
     eff = sum(flops) / sum(secs) / peak
     attn = _attention(model, hw, lay, ex, tokens, s, q, mem_bw)
     res = block_residuals(model, lay, s, "blockwise", "none")
@@ -175,8 +178,10 @@ def layer_time(
     act_bytes = res.bytes(tokens, wc) - res.weights * wc
     passes = ex.elementwise_passes
     if ex.program_bytes:  # what XLA's fusions of jaxpar's layer move (frameworks.PROGRAM_BYTES)
-        sp_ring = lay.sequence_parallel and lay.tp > 1
-        passes = (PROGRAM_BYTES.sp_act_passes if sp_ring else PROGRAM_BYTES.act_passes) / 3
+        sp_ = lay.sequence_parallel and lay.tp > 1
+        # Megatron-SP's passes: the rings' under bf16, GSPMD's gathers' under FP8 (no rings)
+        sp_passes = PROGRAM_BYTES.fp8_sp_act_passes if F8.on(lay) else PROGRAM_BYTES.sp_act_passes
+        passes = (sp_passes if sp_ else PROGRAM_BYTES.act_passes) / 3
     elementwise = (passes * act_bytes + F8.quant_bytes(model, lay, tokens)) / mem_bw
     recompute = 0.0  # forward work the backward re-runs
     compute = sum(secs) + attn + elementwise
@@ -188,10 +193,12 @@ def layer_time(
         recompute = attn
     tp, sp = CM.tp_calls(model, hw, lay, shape), CM.sp_calls(model, hw, lay, shape)
     # the collective matmul's rings hide a share of the tp calls inside one node
-    # (frameworks.RING_HIDDEN: across nodes a ring step's send outlasts its chunk matmul)
-    ring = 0.0  # (no rings under FP8: GSPMD places its FP8 gathers)
-    if lay.sequence_parallel and lay.tp > 1 and not crosses_nodes(hw, 1, lay.tp) and not F8.on(lay):
-        ring = ex.ring_hidden
+    # (frameworks.RING_HIDDEN: across nodes a ring step's send outlasts its chunk matmul); under
+    # FP8 there are no rings, and XLA's scheduler hides a share of GSPMD's gathers and
+    # reduce-scatters (frameworks.FP8_TP_HIDDEN, measured inside one node only)
+    ring = 0.0
+    if lay.sequence_parallel and lay.tp > 1 and not crosses_nodes(hw, 1, lay.tp):
+        ring = ex.fp8_tp_hidden if F8.on(lay) else ex.ring_hidden
     # a flash kernel's backward beyond twice its forward, as the time model prices it
     extra = (FLASH_BACKWARD - 2) * attn if ex.kernels == "published" else 0.0
     # the weight groups ZeRO-3 gathers one at a time (jaxpar.planner.zero3): QKV with the

@@ -1,10 +1,12 @@
 """What an FP8 recipe (``layout.fp8``, :mod:`jaxpar.model.fp8`) changes in the planner's step.
 
-* **GEMMs**: the four weight matmuls of a layer, forward and backward, run on the FP8 tensor
-  cores: their FLOPs at ``peak_flops_fp8`` × the same share of peak the mesh file's curve gives
-  a bf16 matmul of that size (the published ceilings agree: 1550 of 1979 TFLOP/s FP8 against
-  794.5 of 989 bf16 on the H100 SXM, 78% and 80%: :mod:`jaxpar.gpu.costs`). A GPU without
-  ``peak_flops_fp8`` (the CPU emulates; an A100 is refused) prices them as bf16.
+* **GEMMs**: the four weight matmuls of a layer, forward and backward, run on the FP8 tensor cores
+  (all but the blocks ``layout.fp8_bf16_first``/``last`` keep in bf16: a layer's GEMMs and
+  quantization are priced as the share :func:`share` of FP8 ones, the rest bf16's): their FLOPs at
+  ``peak_flops_fp8`` × the same share of peak the mesh file's curve gives a bf16 matmul of that size
+  (the published ceilings agree: 1550 of 1979 TFLOP/s FP8 against 794.5 of 989 bf16 on the H100 SXM,
+  78% and 80%: :mod:`jaxpar.gpu.costs`). A GPU without ``peak_flops_fp8`` (the CPU emulates; an A100
+  is refused) prices them as bf16.
 * **Quantization** (memory-bound): every GEMM operand is reduced to its amax, then read again
   and written as FP8 (5 bytes per bf16 element: :data:`QUANT_BYTES`). The forward quantizes the
   four activation inputs (the residual stream on its sequence shard under Megatron-SP) and the
@@ -36,6 +38,17 @@ def on(lay: LayoutConfig) -> bool:
     return lay.fp8 != "none"
 
 
+def share(model: ModelConfig, lay: LayoutConfig) -> float:
+    """Share of the blocks whose GEMMs run in FP8: (L − first − last) / L, where the first and
+    last ``layout.fp8_bf16_first``/``last`` blocks keep bf16 GEMMs (:mod:`jaxpar.model.llama`
+    traces them with the recipe off); 0 without a recipe. Their tp calls stay priced as the
+    FP8 blocks' (the bf16 blocks' rings and bf16 gathers are not priced apart)."""
+    if not on(lay):
+        return 0.0
+    n = max(1, model.n_layers)
+    return max(0.0, n - lay.fp8_bf16_first - lay.fp8_bf16_last) / n
+
+
 def gemm_peak(hw: HardwareConfig, lay: LayoutConfig) -> float:
     """The peak a layer's weight matmuls run against: FP8's where the recipe is on and the
     GPU has FP8 tensor cores, else bf16's."""
@@ -50,7 +63,8 @@ def gather_bytes(lay: LayoutConfig, compute_bytes: float) -> float:
 
 def quant_bytes(model: ModelConfig, lay: LayoutConfig, tokens: float) -> float:
     """HBM bytes one layer's forward moves quantizing its GEMM operands for one micro-batch
-    on one device (``tokens``: the micro-batch's local tokens, before Megatron-SP's split)."""
+    on one device (``tokens``: the micro-batch's local tokens, before Megatron-SP's split),
+    averaged over the blocks (:func:`share`: bf16 ends quantize nothing)."""
     if not on(lay):
         return 0.0
     t, d = lay.tp, model.d_model
@@ -59,7 +73,7 @@ def quant_bytes(model: ModelConfig, lay: LayoutConfig, tokens: float) -> float:
     stream = tokens / (t if lay.sequence_parallel else 1)  # the residual stream's shard
     acts = 2 * stream * d + tokens * q + tokens * model.d_ff / t
     weights = d * (q + 2 * kv) + q * d + d * ff + model.d_ff / t * d
-    return QUANT_BYTES * (acts + weights)
+    return QUANT_BYTES * (acts + weights) * share(model, lay)
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,10 @@ class Executor:
       XLA:GPU program). Unlike ``overlap_tp`` it is a share of the calls, not of the matmuls:
       what stays exposed is structural (a backward ring step's two sends share one window and
       XLA:GPU runs one collective-permute at a time), so it scales with the traffic.
+    * ``fp8_tp_hidden``: under an FP8 recipe with Megatron-SP there are no rings (GSPMD places
+      the FP8 gathers and the reduce-scatters, :mod:`jaxpar.planner.fp8`); the share of those
+      tp calls XLA:GPU's latency-hiding scheduler hides behind the layer's other kernels,
+      inside one node (:data:`FP8_TP_HIDDEN`; :func:`for_target`).
     * ``zero3_window``: share of the neighbouring layer's compute a ZeRO-3 per-layer all-gather
       or reduce-scatter has beside it (times ``overlap_dp``): 1 for the published frameworks'
       prefetch. ``zero3_stream``: instead, each weight group's gather and each layer's
@@ -143,6 +147,7 @@ class Executor:
     zero3_layers: float = 0.0
     sp_grads_per_layer: bool = False
     ring_hidden: float = 0.0
+    fp8_tp_hidden: float = 0.0
     reduce_after_backward: bool = False
     zero3_window: float = 1.0
     zero3_stream: bool = False
@@ -207,6 +212,12 @@ ZERO3_WINDOW = 0.2
 # nodes the rings hide nothing (dp 4 x tp 16 + SP on a100-64: a ring step's send outlasts its
 # chunk matmul), so it is not applied there.
 RING_HIDDEN = 0.68
+# FP8_TP_HIDDEN: Executor.fp8_tp_hidden. Measured by scripts/calibrate_program_bytes.py on one
+# program of another shape than the rows it is checked on: llama3-8b's layer shape, dp 2 x tp 4
+# + SP, --fp8 delayed, h100-8, 2 and 4 layers; one layer's tp collective seconds (comm_s["tp"],
+# scale all-reduces included) and their exposed part (exposed_s["tp"]), each the difference
+# over two layers of the simulated programs: hidden = 1 - exposed / comm.
+FP8_TP_HIDDEN = 0.74
 
 
 @dataclass(frozen=True)
@@ -238,7 +249,11 @@ class ProgramBytes:
       backward, in units of its saved activations (``block_residuals``): 5.96 measured (1 and 2
       sequences per device, dp 8), so the planner's ``3 × FUSED_PASSES`` = 6 stands;
       ``sp_act_passes``: the same under Megatron-SP (tp 8): 15.1 — the collective matmul's
-      rings slice, pad and add their chunks through HBM.
+      rings slice, pad and add their chunks through HBM. ``fp8_sp_act_passes``: the same under
+      an FP8 recipe with Megatron-SP, where there are no rings (GSPMD gathers the FP8 operands),
+      beyond the quantization bytes the planner prices apart (3 × :func:`jaxpar.planner.fp8.
+      quant_bytes`): measured on dp 2 × tp 4 + SP ``--fp8 delayed`` at 1 and 2 sequences per
+      device (``tp4-fp8``, ``tp4-fp8-2seq``; 2026-12-07).
     * ``weights``: :class:`WeightBytes` per ZeRO stage, from 1, 2 and 4 micro-batches of one
       sequence per device: ZeRO 0/1 slice each layer's fp32 weights out of the stack and cast
       them, write each weight gradient into the stacked fp32 gradient and add it to the
@@ -264,6 +279,7 @@ class ProgramBytes:
 
     act_passes: float = 5.96
     sp_act_passes: float = 15.07
+    fp8_sp_act_passes: float = 10.16
     weights: tuple[tuple[int, WeightBytes], ...] = (
         (0, WeightBytes(step=16.04, microbatch=50.13, loop=28.58)),
         (1, WeightBytes(step=5.19, microbatch=50.13, loop=20.58)),
@@ -285,20 +301,21 @@ PROGRAM_BYTES = ProgramBytes()
 def for_target(hw, executor: Executor = JAXPAR) -> Executor:
     """``executor`` as XLA compiles jaxpar's step for ``hw`` (a
     :class:`~jaxpar.config.HardwareConfig`): on a GPU whose ``xla_flags`` pipeline the
-    all-gather or reduce-scatter, ``zero3_layers`` = 1 (a llama2-70b dp 64 ZeRO-3 step on
-    a100-64 compiles to 1.01x the planner with it, 1.08x without; a 4-layer d 512 model over
-    h100-8 1.06x and 1.57x, ``tests/test_gpu_compile.py``); on every GPU the overlap the
-    compiled program has (``zero3_stream``, ``RING_HIDDEN``); and its kernels as the time model
-    costs the compiled program: ``kernels="published"`` (the ceilings of
-    :mod:`jaxpar.gpu.costs`, not the mesh curve fitted on published runs) and
-    ``program_bytes`` (:data:`PROGRAM_BYTES`). Published frameworks' executors (not
-    ``follows_model``) are returned unchanged: their fitted ceiling describes their runs."""
+    all-gather or reduce-scatter, ``zero3_layers`` = 1 (a llama2-70b dp 64 ZeRO-3 step on a100-64
+    compiles to 1.01x the planner with it, 1.08x without; a 4-layer d 512 model over h100-8
+    1.06x and 1.57x, ``tests/test_gpu_compile.py``); on every GPU the overlap the compiled
+    program has (``zero3_stream``, ``RING_HIDDEN``, ``FP8_TP_HIDDEN``); and its kernels as the
+    time model costs the compiled program: ``kernels="published"`` (the ceilings of
+    :mod:`jaxpar.gpu.costs`, not the mesh curve fitted on published runs) and ``program_bytes``
+    (:data:`PROGRAM_BYTES`). Published frameworks' executors (not ``follows_model``) are
+    returned unchanged: their fitted ceiling describes their runs."""
     if not executor.follows_model or hw.platform != "gpu":
         return executor
     pipelined = any(f in (hw.xla_flags or ()) for f in PIPELINED_COLLECTIVES)
     return executor.with_(zero3_layers=1.0 if pipelined else executor.zero3_layers,
                           zero3_stream=True, zero3_window=ZERO3_WINDOW, ring_hidden=RING_HIDDEN,
-                          kernels="published", program_bytes=True)  # fmt: skip
+                          fp8_tp_hidden=FP8_TP_HIDDEN, kernels="published",
+                          program_bytes=True)  # fmt: skip
 
 
 # XLA:GPU's latency-hiding scheduler plans for SCHEDULER_BASE of the device's memory less the

@@ -37,7 +37,7 @@ class LayerTime:
     efficiency: float
     recompute: float = 0.0  # forward work the backward re-runs (remat full: all of it)
     overlap_tp: float = 0.0  # share of the matmuls beside them that hides tp calls
-    ring_hidden: float = 0.0  # share of the tp calls a collective matmul's rings hide
+    ring_hidden: float = 0.0  # share of the tp calls hidden (rings; FP8: XLA's scheduler)
     backward_extra: float = 0.0  # backward compute beyond twice the forward (flash kernels)
     # the weight groups XLA gathers one at a time (ZeRO-3), in the order the forward uses them:
     # (forward seconds of its kernels, its local parameters); jaxpar.planner.zero3
