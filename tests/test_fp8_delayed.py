@@ -79,7 +79,19 @@ def test_delayed_gemm_uses_the_history_and_reports_the_needed_scales():
         assert np.argmax(np.asarray(dh[row])) == k - fp8.K_LO and float(dh[row].sum()) == 1.0
 
 
+_RUNS: dict = {}
+
+
 def _run(steps: int, **layout):
+    """``steps`` steps of the test model with delayed FP8 on ``layout`` (kept per process: the
+    checkpoint test restores the tp run's state)."""
+    key = (steps, tuple(sorted(layout.items())))
+    if key not in _RUNS:
+        _RUNS[key] = _train(steps, **layout)
+    return _RUNS[key]
+
+
+def _train(steps: int, **layout):
     cfg = small_config(fp8="delayed", **layout)
     tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
     t = cfg.train
@@ -210,14 +222,14 @@ def test_overflow_is_counted_and_the_history_catches_up():
 
 
 def test_checkpoint_carries_the_history_onto_another_layout(tmp_path):
-    tr, state, _ = _run(2, dp=2, tp=2)
+    tr, state, _ = _run(3, **LAYOUTS["dp2_tp2_sp"][0])  # the layout test's run, when it ran
     canon = jax.tree.map(np.asarray, tr.convert(state, "canonical"))
     ckpt = Checkpointer(tmp_path / "ck", every=1)
-    ckpt.save(2, tr.convert(state, "canonical"), {"model": {}}, force=True)
+    ckpt.save(3, tr.convert(state, "canonical"), {"model": {}}, force=True)
     ckpt.wait()
     cfg = small_config(fp8="delayed", pp=2, dp=2, microbatches=2, schedule="1f1b")
     other = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[:4]))
-    got, _ = ckpt.restore(2, other.canonical_abstract_state())
+    got, _ = ckpt.restore(3, other.canonical_abstract_state())
     got = other.convert(other.convert(got, "rest"), "canonical")
     for mod, leaf in SITES:
         a = np.asarray(got["params"]["layers"][mod][leaf])
