@@ -199,9 +199,9 @@ def test_bf16_ends_run_their_blocks_without_fp8():
     assert min(abs(got - fp8_loss), abs(got - none)) > 1e-6 * abs(got)
 
 
-def _moe_grads(recipe: str, **layout):
-    """test_moe's tiny MoE (8 experts, top-2, a shared expert; layer 0 dense) with FP8,
-    fp32 compute (built without the CLI's bf16 rule, as the layouts above)."""
+def moe_trainer(recipe: str, **layout) -> Trainer:
+    """test_moe's tiny MoE (8 experts, top-2, a shared expert; layer 0 dense), 8 × 16 tokens,
+    with the FP8 ``recipe`` on ``layout`` (also tests/test_fp8_delayed.py's)."""
     from jaxpar import config as C
 
     cfg = small_config(fp8=recipe, **layout)
@@ -210,10 +210,21 @@ def _moe_grads(recipe: str, **layout):
                               n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=32,
                               moe=moe)  # fmt: skip
     cfg.train.global_batch, cfg.train.seq_len = 8, 16
-    tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
-    rows = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
-    rows[:, 0] = np.arange(8)  # rank-coded: a row routed to the wrong rank shows
-    loss, g = tr.grads(tr.init_state(0)["params"], jax.device_put(rows, tr.batch_sharding))
+    return Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
+
+
+def moe_rows(seed: int) -> np.ndarray:
+    """A batch for :func:`moe_trainer`, rank-coded: a row routed to the wrong rank shows."""
+    rows = np.random.default_rng(seed).integers(0, 64, (8, 17)).astype(np.int32)
+    rows[:, 0] = np.arange(8)
+    return rows
+
+
+def _moe_grads(recipe: str, **layout):
+    """:func:`moe_trainer`'s MoE with FP8, fp32 compute (built without the CLI's bf16 rule, as
+    the layouts above): loss and canonical gradients of one rank-coded batch."""
+    tr = moe_trainer(recipe, **layout)
+    loss, g = tr.grads(tr.init_state(0)["params"], jax.device_put(moe_rows(0), tr.batch_sharding))
     return float(loss), jax.tree.map(np.asarray, tr.convert(g, "canonical"))
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import MODEL_YAML, small_config
+from test_fp8 import moe_rows, moe_trainer
 
 from jaxpar import validation as V
 from jaxpar.checkpoint import Checkpointer
@@ -150,22 +151,12 @@ def test_layout_keeps_one_devices_history(name):
 
 
 def _moe_run(steps: int, **layout):
-    """tests/test_fp8.py's tiny MoE (8 experts, top-2, a shared expert, layer 0 dense) trained
-    ``steps`` steps with delayed FP8 on rank-coded rows."""
-    from jaxpar import config as C
-
-    cfg = small_config(fp8="delayed", **layout)
-    moe = C.MoeConfig(experts=8, top_k=2, shared_experts=1, expert_ff=16, first_dense=1)
-    cfg.model = C.ModelConfig(name="tiny-moe-test", n_layers=3, d_model=32, n_heads=4,
-                              n_kv_heads=2, d_ff=64, vocab_size=64, max_seq_len=32,
-                              moe=moe)  # fmt: skip
-    cfg.train.global_batch, cfg.train.seq_len = 8, 16
-    tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
+    """tests/test_fp8.py's tiny MoE trained ``steps`` steps with delayed FP8 on rank-coded
+    rows."""
+    tr = moe_trainer("delayed", **layout)
     state, out = tr.init_state(0), []
     for i in range(steps):
-        rows = np.random.default_rng(i).integers(0, 64, (8, 17)).astype(np.int32)
-        rows[:, 0] = np.arange(8)  # rank-coded: a row routed to the wrong rank shows
-        state, m = tr.step(state, jax.device_put(rows, tr.batch_sharding))
+        state, m = tr.step(state, jax.device_put(moe_rows(i), tr.batch_sharding))
         out.append((float(m["loss"]), int(m["fp8_overflow"])))
     return out, jax.tree.map(np.asarray, tr.convert(state["params"], "canonical"))
 
