@@ -239,7 +239,7 @@ class WeightBytes:
 @dataclass(frozen=True)
 class ProgramBytes:
     """The memory-bound bytes of jaxpar's train step as XLA:GPU compiles it (no pipeline),
-    measured by ``scripts/calibrate_program_bytes.py`` (2026-12-07, main at 60b620d): llama3-8b's
+    measured by ``scripts/calibrate_program_bytes.py`` (figures in BENCHMARKS.md): llama3-8b's
     layer shape compiled for h100-8 at 2 and 4 layers, each program simulated by the time model
     (:mod:`jaxpar.gpu.timing`), the compute stream's memory-bound kernels summed, one layer's
     bytes the difference over two. Not fitted to the grid of ``scripts/bench_gpu_grid.py``
