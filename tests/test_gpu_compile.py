@@ -274,22 +274,38 @@ def test_tp_with_microbatches_keeps_one_forward(tmp_path):
 def test_weight_heavy_model_memory_within_10_percent(tmp_path, zero, d_model):
     """Models whose weights outweigh their activations, over 8 GPUs. DDP (d 256): the
     non-finite guard on the update (a select on GPU targets) leaves no second params + moments
-    in the temporaries (a cond there made it 1.47x the planner). ZeRO-3 (d 512): the layer in
-    flight, its gathered bf16 weights and its fp32 gradient before the reduce-scatter, is in
-    the planner's figure (without it 1.57x)."""
+    in the temporaries (a cond there made it 1.47x the planner); each layer's gradient is
+    all-reduced inside the backward's layer loop (DPReduction.reduces_in_backward), most of
+    those bytes with a matmul between start and done (none when the stacked gradient was
+    reduced after the loop), one layer's gradient in flight in the planner's figure. ZeRO-3
+    (d 512): the layer in flight, its gathered bf16 weights and its fp32 gradient before the
+    reduce-scatter, is in the planner's figure (without it 1.57x)."""
     _plugin_or_fail()
+    import jax
+
+    from jaxpar.analysis.hlo_gpu import async_collectives
+    from jaxpar.devices import make_mesh
+
     model = tmp_path / "wide.yaml"
     model.write_text(
         MODEL_YAML.replace("d_model: 64", f"d_model: {d_model}").replace(
             "d_ff: 128", f"d_ff: {4 * d_model}"
         )
     )
+    hlo = tmp_path / "step.hlo"
     out = _report(_compile(tmp_path, "--model", str(model), "--mesh", "h100-8", "--dp", "8",
-                           "--tp", "1", "--pp", "1", "--zero", str(zero), "--json"))  # fmt: skip
+                           "--tp", "1", "--pp", "1", "--zero", str(zero), "--hlo", str(hlo),
+                           "--json"))  # fmt: skip
     mem = out["memory"]
     assert 0.9 < mem["ratio"] < 1.1, mem
     if zero == 0:
         assert mem["temp"] < mem["argument"], mem
+        lay = dataclasses.replace(C.load_mesh("h100-8").layout, dp=8, tp=1, pp=1, sp=1)
+        items = async_collectives(hlo.read_text(), make_mesh(lay, jax.devices()[:8]))
+        reduces = [it for it in items if it.kind == "all-reduce" and it.axes == ("dp",)]
+        total = sum(it.wire_bytes * it.count for it in reduces)
+        beside = sum(it.wire_bytes * it.count for it in reduces if it.flops_between > 0)
+        assert len(reduces) > 2 and beside > 0.5 * total, reduces
 
 
 def test_compile_zero3_saves_and_loads(tmp_path):
@@ -352,11 +368,13 @@ def _one_device_grads():
     return _grads(small_config(dp=1))
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_per_leaf_collectives_match_single_device(monkeypatch, zero):
-    """The GPU targets' ZeRO form (one gather and one reduce-scatter per leaf, not one per
-    layer or gradient: reduce.packed_collectives), run on CPU devices: loss and every gradient
-    leaf of dp 4 x tp 2 with 2 micro-batches equal one device's."""
+@pytest.mark.parametrize("zero,k", [(0, 1), (1, 2), (2, 1), (3, 2)])
+def test_per_leaf_collectives_match_single_device(monkeypatch, zero, k):
+    """The GPU targets' ZeRO form, run on CPU devices (reduce.packed_collectives false): one
+    gather and one reduce-scatter per leaf, not one per layer or gradient, and with one
+    micro-batch at stages 0-2 each layer's gradient reduced inside the backward's layer scan
+    (DPReduction.reduces_in_backward; after the accumulation with two). Loss and every
+    gradient leaf of dp 4 x tp 2 equal one device's."""
     import jax
     import numpy as np
     from conftest import small_config
@@ -364,10 +382,14 @@ def test_per_leaf_collectives_match_single_device(monkeypatch, zero):
     from jaxpar.train import reduce
 
     ref_loss, ref = _one_device_grads()
-    calls = []
+    calls, layers = [], []
     monkeypatch.setattr(reduce, "packed_collectives", lambda: calls.append(1) or False)
-    loss, g = _grads(small_config(dp=4, tp=2, zero=zero, microbatches=2))
+    in_backward = reduce.DPReduction.reduced_in_backward
+    monkeypatch.setattr(reduce.DPReduction, "reduced_in_backward",
+                        lambda self, *a: layers.append(a[0]) or in_backward(self, *a))  # fmt: skip
+    loss, g = _grads(small_config(dp=4, tp=2, zero=zero, microbatches=k))
     assert calls  # the per-leaf form ran
+    assert set(layers) == ({"layers"} if zero < 3 and k == 1 else set()), layers
     assert abs(loss / ref_loss - 1) < 1e-5
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), g, ref)
 

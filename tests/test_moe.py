@@ -106,6 +106,24 @@ def test_layout_matches_one_device(name):
     _assert_close(g, ref)
 
 
+def test_layers_reduced_in_backward_match_one_device(monkeypatch):
+    """The GPU targets' reduction of each layer's gradient inside the backward's scans
+    (reduce.DPReduction.reduces_in_backward), run on CPU devices: the dense and the MoE
+    stacks, routed experts reduced over edp alone (their ep owners hold the whole gradient),
+    at dp 4 = edp 2 x ep 2, ZeRO-2: loss and gradients equal one device's."""
+    from jaxpar.train import reduce
+
+    monkeypatch.setattr(reduce, "packed_collectives", lambda: False)
+    stacks, in_backward = [], reduce.DPReduction.reduced_in_backward
+    monkeypatch.setattr(reduce.DPReduction, "reduced_in_backward",
+                        lambda self, *a: stacks.append(a[0]) or in_backward(self, *a))  # fmt: skip
+    _, loss, g = _grads(moe_config(dp=4, ep=2, zero=2))
+    ref_loss, ref = _reference()
+    assert set(stacks) == {"layers", "moe_layers"}, stacks
+    assert abs(loss / ref_loss - 1) < 1e-4
+    _assert_close(g, ref)
+
+
 CAPACITY_LAYOUT = dict(dp=4, ep=2, zero=1)
 
 

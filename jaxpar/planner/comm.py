@@ -347,8 +347,24 @@ def _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> 
     wr, wp = DTYPE_BYTES[lay.reduce_dtype], DTYPE_BYTES[lay.param_dtype]
     grads = pc.local * wr
     kind = "all-reduce" if lay.zero == 0 else "reduce-scatter"
+    fold = 2 if lay.zero == 0 else 1
+    if ex.reduce_in_backward and lay.pp == lay.microbatches == 1 and lay.zero < 3:
+        # Each layer's gradient reduced in the backward (its own calls, combined per layer),
+        # behind the backward of the layers below it; the last layer's, and the
+        # embedding/head/norm gradients' after the layer scan, exposed.
+        per_layer = pc.blocks * wr / layers
+        lc = combined_calls(hw, kind, per_layer, ex.bucket_bytes)
+        out = [_term(hw, f"gradient {kind} per layer in the backward ({lc} per layer)", kind,
+                     per_layer / lc * r * fold, lc * layers, n, stride,
+                     ex.overlap_dp * layers * b_layer)]  # fmt: skip
+        rest = (pc.local - pc.blocks) * wr
+        if rest > 0:
+            rc = combined_calls(hw, kind, rest, ex.bucket_bytes)
+            out.append(_term(hw, f"embedding/head gradient {kind} after the backward", kind,
+                             rest / rc * r * fold, rc, n, stride, 0.0))  # fmt: skip
+        return out + _param_gather_terms(hw, lay, pc, n, stride, layers, f_layer, ex, r, wp)
     calls = combined_calls(hw, kind, grads, ex.bucket_bytes)
-    wire = grads / calls * r * (2 if lay.zero == 0 else 1)
+    wire = grads / calls * r * fold
     window = ex.overlap_dp * layers * b_layer  # one micro-batch's backward
     if ex.reduce_after_backward and lay.zero < 2:
         window = 0.0  # one reduction of the accumulator after the last backward
@@ -364,14 +380,18 @@ def _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> 
         t = CommTerm(t.name, t.label + f" ×{times} micro-batches", t.bytes * times,
                      t.calls * times, t.seconds * times, t.latency_s * times, t.hidden_s * times,
                      t.link, t.algorithm, t.behind)  # fmt: skip
-    out = [t]
-    if lay.zero >= 1:
-        params = pc.local * wp
-        pcalls = combined_calls(hw, "all-gather", params, ex.bucket_bytes)
-        pwindow = ex.overlap_dp * layers * f_layer if ex.overlap_param_gather else 0.0
-        t = _term(hw, "updated-param all-gather", "all-gather", params / pcalls * r, pcalls, n,
-                  stride, pwindow, last_exposed=not ex.overlap_param_gather)  # fmt: skip
-        if ex.overlap_param_gather:
-            t = CommTerm(**{**asdict(t), "behind": "the next step's first forward"})
-        out.append(t)
-    return out
+    return [t, *_param_gather_terms(hw, lay, pc, n, stride, layers, f_layer, ex, r, wp)]
+
+
+def _param_gather_terms(hw, lay, pc, n, stride, layers, f_layer, ex, r, wp) -> list[CommTerm]:
+    """ZeRO 1/2: the all-gather of the updated params (none at stage 0)."""
+    if lay.zero < 1:
+        return []
+    params = pc.local * wp
+    pcalls = combined_calls(hw, "all-gather", params, ex.bucket_bytes)
+    pwindow = ex.overlap_dp * layers * f_layer if ex.overlap_param_gather else 0.0
+    t = _term(hw, "updated-param all-gather", "all-gather", params / pcalls * r, pcalls, n,
+              stride, pwindow, last_exposed=not ex.overlap_param_gather)  # fmt: skip
+    if ex.overlap_param_gather:
+        t = CommTerm(**{**asdict(t), "behind": "the next step's first forward"})
+    return [t]

@@ -103,6 +103,11 @@ class Executor:
       micro-batch's backward (jaxpar: one ``psum``/``psum_scatter`` of the accumulator, after a
       pipeline's last tick too), so nothing in the backward hides it; ``False``: the framework
       reduces buckets during the backward (Megatron's and DeepSpeed's gradient buckets).
+    * ``reduce_in_backward``: with one micro-batch and no pipeline, ZeRO 0-2 reduce each
+      layer's gradient in the backward, inside the layer scan (jaxpar on a GPU:
+      :meth:`jaxpar.train.reduce.DPReduction.reduces_in_backward`, :func:`for_target`): the
+      calls hide behind the backward of the layers below, and the reduced gradient is a ZeRO
+      shard from stage 1 on, with one layer's whole gradient in flight.
     * ``kernels``: where the kernels' speeds come from. ``fitted``: the mesh file's matmul
       curve, whose GPU ceiling (``matmul_share_max``) and memory-bound share
       (``elementwise_share``) :mod:`jaxpar.planner.published` fitted on published runs — a
@@ -151,6 +156,7 @@ class Executor:
     reduce_after_backward: bool = False
     zero3_window: float = 1.0
     zero3_stream: bool = False
+    reduce_in_backward: bool = False
     kernels: str = "fitted"
     program_bytes: bool = False
 
@@ -304,7 +310,8 @@ def for_target(hw, executor: Executor = JAXPAR) -> Executor:
     all-gather or reduce-scatter, ``zero3_layers`` = 1 (a llama2-70b dp 64 ZeRO-3 step on a100-64
     compiles to 1.01x the planner with it, 1.08x without; a 4-layer d 512 model over h100-8
     1.06x and 1.57x, ``tests/test_gpu_compile.py``); on every GPU the overlap the compiled
-    program has (``zero3_stream``, ``RING_HIDDEN``, ``FP8_TP_HIDDEN``); and its kernels as the
+    program has (``zero3_stream``, ``RING_HIDDEN``, ``FP8_TP_HIDDEN``, ``reduce_in_backward``);
+    and its kernels as the
     time model costs the compiled program: ``kernels="published"`` (the ceilings of
     :mod:`jaxpar.gpu.costs`, not the mesh curve fitted on published runs) and ``program_bytes``
     (:data:`PROGRAM_BYTES`). Published frameworks' executors (not ``follows_model``) are
@@ -314,6 +321,7 @@ def for_target(hw, executor: Executor = JAXPAR) -> Executor:
     pipelined = any(f in (hw.xla_flags or ()) for f in PIPELINED_COLLECTIVES)
     return executor.with_(zero3_layers=1.0 if pipelined else executor.zero3_layers,
                           zero3_stream=True, zero3_window=ZERO3_WINDOW, ring_hidden=RING_HIDDEN,
+                          reduce_in_backward=True,
                           fp8_tp_hidden=FP8_TP_HIDDEN, kernels="published",
                           program_bytes=True)  # fmt: skip
 

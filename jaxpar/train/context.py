@@ -85,18 +85,35 @@ class GradContext:
 
         return jax.tree.map(one, logical, g, is_leaf=lambda x: isinstance(x, tuple))
 
-    def hooks(self, stage_recompute: bool = False) -> Hooks:
+    def hooks(self, stage_recompute: bool = False, reduced: tuple[str, ...] = ()) -> Hooks:
         """The layout's hooks into the model's forward (remat, ZeRO-3 gathers).
 
         ``stage_recompute``: the pipeline recomputes whole stages under ``remat full``; the
         layers inside then run without a checkpoint of their own (ZeRO-3 still must not keep
-        gathered weights, which the ``none`` policy guarantees).
+        gathered weights, which the ``none`` policy guarantees). ``reduced``: the layer stacks
+        (``layers``, ``moe_layers``) whose gradient the backward reduces layer by layer
+        (stages 0-2, :meth:`DPReduction.reduced_in_backward`); their scan then carries
+        ``(params, slot)`` per layer.
         """
         red, dims = self.reduction, self.reduction.dims
         remat = remat_of("none") if stage_recompute else self.remat
         if red.stage < 3:
             sp = self.layout.sequence_parallel and self.layout.tp > 1
-            return Hooks(layer=remat.wrap(regather=sp), moe_layer=remat.wrap(regather=sp))
+
+            def wrap(key):
+                base = remat.wrap(regather=sp)
+                if key not in reduced:
+                    return base
+
+                def around(body):
+                    # Outside the checkpoint: the layer's params reach its (checkpointed) body
+                    # through the identity whose backward reduces their gradient.
+                    inner = base(body) if base is not None else body
+                    return lambda x, t: inner(x, red.reduced_in_backward(key, *t))
+
+                return around
+
+            return Hooks(layer=wrap("layers"), moe_layer=wrap("moe_layers"))
 
         def stack(name):  # ZeRO-3: one packed gather per layer (per MoE group) in the scan
             return lambda lp: red.gather(lp, dims[name], red.auto_specs[name], shift=1)

@@ -28,25 +28,57 @@ from jaxpar.train.context import GradContext, microbatch_split
 from jaxpar.train.pipeline_run import PipelineRun
 from jaxpar.train.reduce import DPReduction
 
+STACKS = ("layers", "moe_layers")  # the layer scans' param stacks
+
 
 def _local_accumulate(ctx: GradContext, params: Any, tokens_BxS, targets_BxS):
     """Sum over micro-batches of (loss, unreduced gradient, MoE statistics) on this rank's
-    rows; the loss and the balancing loss averaged, the load counts summed.
+    rows; the loss and the balancing loss averaged, the load counts summed; and the top-level
+    keys whose gradient comes back reduced already.
 
     Stage 2 reduce-scatters each micro-batch's gradient here, so the accumulator is a shard.
+    With one micro-batch, where :meth:`DPReduction.reduces_in_backward`, the backward reduces
+    the layer stacks' gradients layer by layer, and they come back reduced and averaged over
+    the dp ranks (a ZeRO shard from stage 1 on).
     """
-    red, k, hooks = ctx.reduction, ctx.layout.microbatches, ctx.hooks()
-
-    def loss_fn(p, tok, tgt):
-        return ctx.model.loss_and_stats(p, tok, tgt, ctx.compute_dtype, hooks)
+    red, k = ctx.reduction, ctx.layout.microbatches
+    done = ()
+    if k == 1 and red.reduces_in_backward():
+        done = tuple(s for s in STACKS if s in params)
+    hooks = ctx.hooks(reduced=done)
 
     def vg(p, tok, tgt):
-        (loss, stats), g = jax.value_and_grad(loss_fn, has_aux=True)(p, tok, tgt)
-        return loss, ctx.constrain_grads(g), stats
+        if not done:
+            (loss, stats), g = jax.value_and_grad(ctx.model.loss_and_stats, has_aux=True)(
+                p, tok, tgt, ctx.compute_dtype, hooks
+            )
+            return loss, ctx.constrain_grads(g), stats
+        # The stacks' params reach their layers through the identity whose backward reduces
+        # their gradient (DPReduction.reduced_in_backward). Stage 0's comes back as their
+        # cotangent; a ZeRO shard (stages 1/2) as the cotangent of a slot of its shape, the
+        # params' own gradient stopped.
+        sliced = red.stage >= 1
+        fixed = {s: jax.lax.stop_gradient(p[s]) for s in done}
+
+        def loss_fn(diff, slots):
+            full = dict(diff)
+            for s in done:
+                full[s] = (fixed[s], slots[s]) if sliced else (diff[s], None)
+            return ctx.model.loss_and_stats(full, tok, tgt, ctx.compute_dtype, hooks)
+
+        diff = {key: v for key, v in p.items() if not (sliced and key in done)}
+        slots = {s: red.slots(s, p[s]) for s in done} if sliced else {}
+        (loss, stats), (g, g_slots) = jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(diff, slots)
+        g = ctx.constrain_grads({**g, **g_slots})
+        return loss, {key: g[key] for key in p}, stats
 
     if k == 1:
         loss, g, stats = vg(params, tokens_BxS, targets_BxS)
-        return loss, red.per_microbatch(g), stats
+        if done:  # stage 2's scatter for the rest (the stacks are reduced)
+            keys = [key for key in g if key not in done]
+            rest = red.sub(keys).per_microbatch({key: g[key] for key in keys})
+            return loss, {key: rest.get(key, g[key]) for key in g}, stats, done
+        return loss, red.per_microbatch(g), stats, done
 
     def body(carry, mb):
         loss_sum, acc, stats_sum = carry
@@ -66,7 +98,7 @@ def _local_accumulate(ctx: GradContext, params: Any, tokens_BxS, targets_BxS):
     (loss_sum, acc, stats), _ = jax.lax.scan(body, init, mbs)
     if stats is not None:
         stats = stats._replace(aux=stats.aux / k)
-    return loss_sum / k, jax.tree.map(lambda a: a / k, acc), stats
+    return loss_sum / k, jax.tree.map(lambda a: a / k, acc), stats, done
 
 
 def mean_loss(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> jax.Array:
@@ -138,10 +170,10 @@ def loss_grads_stats(ctx: GradContext, params: Any, batch_BxT: jax.Array) -> tup
             tokens, targets = batch_BxT[:, :-1], batch_BxT[:, 1:]
             stats = None
             if run is None:
-                loss, g, stats = _local_accumulate(ctx, params, tokens, targets)
+                loss, g, stats, done = _local_accumulate(ctx, params, tokens, targets)
             else:
-                loss, g, stats = run.local(params, tokens, targets)
-            return red.mean(loss), outer.finish(g), _reduce_stats(red, stats)
+                (loss, g, stats), done = run.local(params, tokens, targets), ()
+            return red.mean(loss), outer.finish(g, done), _reduce_stats(red, stats)
 
     if not ctx.manual_axes:  # one dp rank, no pipeline: nothing to make manual
         return body(params, batch_BxT)

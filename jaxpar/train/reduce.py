@@ -19,6 +19,10 @@ ring factor (N−1)/N, k micro-batches):
   backward — the remat policies never keep gathered weights, :mod:`jaxpar.train.remat`), and
   the gather's transpose is the reduce-scatter of that layer's gradient: 3kΨ.
 
+On a GPU target with one micro-batch and no pipeline, stages 0-2 reduce each layer's gradient
+inside the backward's layer scan instead, with the same bytes (:meth:`DPReduction.
+reduces_in_backward`): in flight beside the backward of the layers below it.
+
 Hybrid sharding (``dp_shard``): the scatter/gather run over ``dps`` (within a group), then a
 ``psum`` of the shard over ``dpr`` (across groups). Expert parallelism (``ep``,
 :mod:`jaxpar.model.moe`) splits dp the same way into ``edp × ep``: ZeRO over ``edp``, a
@@ -55,7 +59,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -212,23 +216,105 @@ class DPReduction:
             return g
         return on_local_blocks(lambda t: self._scatter_tree(t, self.dims), self.auto_specs, g)
 
-    def finish(self, g: Any) -> Any:
-        """The rest of the reduction, once per step, and the mean over the dp ranks."""
+    def finish(self, g: Any, done: tuple[str, ...] = ()) -> Any:
+        """The rest of the reduction, once per step, and the mean over the dp ranks; the
+        top-level keys in ``done`` were reduced in the backward already
+        (:meth:`reduced_in_backward`) and pass through."""
+        if done:
+            rest = self.sub([k for k in g if k not in done]).finish(
+                {k: v for k, v in g.items() if k not in done}
+            )
+            return {k: g[k] if k in done else rest[k] for k in g}
 
         def local(t):
             if self.stage == 1:
                 t = self._scatter_tree(t, self.dims)  # one reduce-scatter of every shard
-            return jax.tree.map(one, t, self.dims, self._ep())
-
-        def one(x, d, e):
-            # Replicated leaves and stage 0: all-reduce over every dp axis; shards (already
-            # scattered): hybrid only, across groups. XLA's combiner merges these all-reduces.
-            axes = self.axes if d < 0 or self.stage == 0 else self.repl
-            if e >= 0:  # a routed expert's owner holds its whole gradient over ep already
-                axes = tuple(a for a in axes if a != "ep")
-            return self._psum(x, axes) / self.n
+            return jax.tree.map(self._mean_over_ranks, t, self.dims, self._ep())
 
         return on_local_blocks(local, self.auto_specs, g)
+
+    def _mean_over_ranks(self, x: jax.Array, d: int, e: int) -> jax.Array:
+        """One leaf's last collective and the mean: replicated leaves and stage 0 all-reduced
+        over every dp axis; shards (already scattered) across hybrid groups only. XLA's
+        combiner merges these all-reduces."""
+        axes = self.axes if d < 0 or self.stage == 0 else self.repl
+        if e >= 0:  # a routed expert's owner holds its whole gradient over ep already
+            axes = tuple(a for a in axes if a != "ep")
+        return self._psum(x, axes) / self.n
+
+    def sub(self, keys: list[str]) -> DPReduction:
+        """This reduction for the top-level params ``keys`` only."""
+        pick = lambda t: None if t is None else {k: t[k] for k in keys}  # noqa: E731
+        return replace(self, dims=pick(self.dims), auto_specs=pick(self.auto_specs),
+                       ep_dims=pick(self.ep_dims))  # fmt: skip
+
+    # ---- stages 0-2: each layer's gradient reduced inside the backward's layer scan ------
+
+    def reduces_in_backward(self) -> bool:
+        """Whether stages 0-2 reduce each layer's gradient in the backward's layer scan (one
+        set of collectives per layer, each in flight beside the backward of the layers below
+        it) rather than the stacked gradient once after the scan.
+
+        On a GPU target (:func:`packed_collectives` is false there), where the latency-hiding
+        scheduler overlaps a collective started in one iteration of the backward loop with the
+        next iterations' matmuls; after the scan nothing is left to overlap with (llama3-8b,
+        DDP over an H100 node: 0.125 s of 0.773 s exposed, BENCHMARKS.md). Not on CPU, where
+        every collective is a rendezvous of all device threads and one per step is cheapest.
+        Without a pipeline and without gradient accumulation only (the caller's part): a
+        pipeline's ticks accumulate a layer's gradient until the last micro-batch's backward
+        through it, at a tick that differs by rank; with micro-batches the last one's backward
+        would add the accumulator in and hold the reduced gradient beside it (llama3-8b at 8
+        layers, dp 8, 2 micro-batches, H100: +5.7 GiB at ZeRO-1, +9.7 GiB at ZeRO-0, against
+        0.02 s of dp hidden), and the reduction is one per micro-batches' backwards anyway."""
+        return self.stage < 3 and self.n > 1 and not packed_collectives()
+
+    def _layer(self, key: str) -> DPReduction:
+        """This reduction for one layer of the stack ``key`` (its ``[L]`` dim sliced off)."""
+        lower = lambda t: jax.tree.map(lambda d: d if d < 0 else d - 1, t)  # noqa: E731
+        specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), self.auto_specs[key], is_leaf=_is_p)
+        ep = None if self.ep_dims is None else lower(self.ep_dims[key])
+        return replace(self, dims=lower(self.dims[key]), auto_specs=specs, ep_dims=ep)
+
+    def slots(self, key: str, stacked: Any) -> Any:
+        """Stages 1/2: zeros shaped like the reduced gradient of the layer stack ``key``
+        (``[L, ...]``, a ZeRO shard): the input :meth:`reduced_in_backward` returns it as the
+        cotangent of. Only its shape is read; the forward never uses it."""
+
+        def one(a, d):
+            shape = list(a.shape)
+            if d >= 0:
+                shape[d] //= self.sizes[self.axis]
+            return jnp.zeros(shape, a.dtype)
+
+        return jax.tree.map(one, stacked, self.dims[key])
+
+    def reduced_in_backward(self, key: str, lp: Any, slot: Any) -> Any:
+        """``lp`` (one layer of the stack ``key``) as it is, whose backward reduces the
+        layer's gradient as :meth:`finish` would (stage 0 all-reduce, stages 1/2
+        reduce-scatter) and divides it by the dp ranks. Stage 0 (``slot`` None) returns it as
+        the cotangent of ``lp``; stages 1/2, a ZeRO shard, as the cotangent of ``slot``
+        (:meth:`slots`; ``lp``'s own gradient stopped by the caller). One layer's leaves go
+        in one region (:func:`on_local_blocks`), so they move exactly their tp/sp blocks."""
+        one = self._layer(key)
+
+        @jax.custom_vjp
+        def layer(lp, slot):
+            return lp
+
+        def fwd(lp, slot):
+            return lp, None
+
+        def bwd(_, g):
+            def local(g):
+                if one.stage >= 1:
+                    g = one._scatter_tree(g, one.dims)
+                return jax.tree.map(one._mean_over_ranks, g, one.dims, one._ep())
+
+            reduced = on_local_blocks(local, one.auto_specs, g)
+            return (reduced, None) if slot is None else (None, reduced)
+
+        layer.defvjp(fwd, bwd)
+        return layer(lp, slot)
 
     def mean(self, x: jax.Array) -> jax.Array:
         """Mean of a per-rank scalar (the loss) over the dp ranks."""
