@@ -64,7 +64,11 @@ LAYOUTS = {
     # shape than the llama3-8b tp 8 + SP rows the planner is checked on
     "tp4-fp8": (2, ("--dp", "2", "--tp", "4", "--sequence-parallel", "--fp8", "delayed")),
     "tp4-fp8-2seq": (4, ("--dp", "2", "--tp", "4", "--sequence-parallel", "--fp8", "delayed")),
+    # each recipe's quantization bytes beside z3's bf16 program (no tp: no FP8 gathers)
+    "z3-tensorwise": (8, ("--dp", "8", "--tp", "1", "--zero", "3", "--fp8", "tensorwise")),
+    "z3-delayed": (8, ("--dp", "8", "--tp", "1", "--zero", "3", "--fp8", "delayed")),
 }
+RECIPE_ROWS = {"tensorwise": "z3-tensorwise", "delayed": "z3-delayed"}
 
 
 def compile_one(name: str, layers: int, out: Path) -> Path:
@@ -159,8 +163,15 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.hlo_dir or tempfile.mkdtemp(prefix="jaxpar-calib-"))
     out.mkdir(parents=True, exist_ok=True)
-    names = [n for n in LAYOUTS if "fp8" in n or not args.fp8_only]
+    names = [n for n in LAYOUTS if not args.fp8_only or "fp8" in n or n == "z3"
+             or n in RECIPE_ROWS.values()]  # fmt: skip
     f = {n: layer_figures(n, out) for n in names}
+    # measured quantization bytes of one layer (the recipe's program less bf16's) per byte
+    # the planner prices at QUANT_BYTES per element (jaxpar.planner.fp8.quant_bytes)
+    quant = {
+        r: (f[n]["layer_bytes"] - f["z3"]["layer_bytes"]) / f[n]["quant_bytes"]
+        for r, n in RECIPE_ROWS.items()
+    }
     a, b = f["tp4-fp8"], f["tp4-fp8-2seq"]
     fp8 = {  # FP8's quantization bytes are priced apart (jaxpar.planner.fp8.quant_bytes)
         "fp8_sp_act_passes": ((b["layer_bytes"] - b["quant_bytes"])
@@ -169,6 +180,7 @@ def main() -> None:
         # share of one layer's tp collective seconds the scheduler hides (FP8_TP_HIDDEN)
         "fp8_tp_hidden": 1 - b["layer_tp_exposed_s"] / b["layer_tp_s"],
         "fp8_tp_hidden_1seq": 1 - a["layer_tp_exposed_s"] / a["layer_tp_s"],
+        "quant_measured_over_priced": quant,
     }  # fmt: skip
     if args.fp8_only:
         print(json.dumps({"layers": f, **fp8}, indent=1))
