@@ -15,6 +15,9 @@ bytes are half the difference between the 4- and the 2-layer program's. From the
   passes on dp 2 × tp 4 + SP ``--fp8 delayed`` (no collective-matmul rings under FP8), less
   the quantization bytes the planner prices apart; and the share of one layer's tp collective
   seconds the simulated schedule hides (``--fp8-only`` compiles these four programs alone);
+* **FP8 quantization** (``quant_measured_over_priced``): per recipe, one layer's bytes on
+  ZeRO-3 over dp 8 with the recipe less bf16's, over what the planner prices at
+  ``QUANT_BYTES`` per element (:func:`jaxpar.planner.fp8.quant_bytes`);
 * **weight bytes** per local layer parameter: what remains of a layer's bytes after the
   activation passes, at 1, 2 and 4 micro-batches: a per-micro-batch part (the slope between 2
   and 4), a part the micro-batch loop adds once (2 less 1, less the slope) and a per-step part
@@ -67,8 +70,9 @@ LAYOUTS = {
     # each recipe's quantization bytes beside z3's bf16 program (no tp: no FP8 gathers)
     "z3-tensorwise": (8, ("--dp", "8", "--tp", "1", "--zero", "3", "--fp8", "tensorwise")),
     "z3-delayed": (8, ("--dp", "8", "--tp", "1", "--zero", "3", "--fp8", "delayed")),
+    "z3-rowwise": (8, ("--dp", "8", "--tp", "1", "--zero", "3", "--fp8", "rowwise")),
 }
-RECIPE_ROWS = {"tensorwise": "z3-tensorwise", "delayed": "z3-delayed"}
+RECIPE_ROWS = {"tensorwise": "z3-tensorwise", "delayed": "z3-delayed", "rowwise": "z3-rowwise"}
 
 
 def compile_one(name: str, layers: int, out: Path) -> Path:
@@ -167,7 +171,8 @@ def main() -> None:
              or n in RECIPE_ROWS.values()]  # fmt: skip
     f = {n: layer_figures(n, out) for n in names}
     # measured quantization bytes of one layer (the recipe's program less bf16's) per byte
-    # the planner prices at QUANT_BYTES per element (jaxpar.planner.fp8.quant_bytes)
+    # the planner prices at QUANT_BYTES per element (jaxpar.planner.fp8.quant_bytes): 1.0
+    # where those constants hold
     quant = {
         r: (f[n]["layer_bytes"] - f["z3"]["layer_bytes"]) / f[n]["quant_bytes"]
         for r, n in RECIPE_ROWS.items()

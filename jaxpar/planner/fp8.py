@@ -7,11 +7,17 @@
   (the published ceilings agree: 1550 of 1979 TFLOP/s FP8 against 794.5 of 989 bf16 on the H100 SXM,
   78% and 80%: :mod:`jaxpar.gpu.costs`). A GPU without ``peak_flops_fp8`` (the CPU emulates; an A100
   is refused) prices them as bf16.
-* **Quantization** (memory-bound): every GEMM operand is reduced to its amax, then read again
-  and written as FP8 (5 bytes per bf16 element: :data:`QUANT_BYTES`). The forward quantizes the
-  four activation inputs (the residual stream on its sequence shard under Megatron-SP) and the
-  four weights every micro-batch; the backward's (its incoming gradients, the saved inputs
-  again) is in the planner's 2 × forward.
+* **Quantization** (memory-bound): the forward quantizes the four activation inputs (the
+  residual stream on its sequence shard under Megatron-SP) and the four weights every
+  micro-batch; the backward's (its incoming gradients, the saved inputs again) is in the
+  planner's 2 × forward. Bytes per bf16 element quantized, by recipe (:data:`QUANT_BYTES`),
+  measured on the compiled program: one layer's memory-bound bytes with the recipe less
+  bf16's, ZeRO-3 over dp 8 on h100-8 at llama3-8b's layer shape, 2 and 4 layers
+  (``scripts/calibrate_program_bytes.py``, ``quant_measured_over_priced`` × the 5 bytes first
+  assumed: an amax read, then a read and an FP8 write). Tensorwise 3.06: XLA fuses the cast
+  with its neighbours more than that count; delayed 2.58: no amax before the cast, the
+  history's amax taken beside it; rowwise 7.51: each operand quantized along both axes
+  (per row for one GEMM, per column for the other).
 * **Megatron-SP's gathers move FP8**: the column-parallel inputs (forward, and again for the
   weight gradients) and the row-parallel outputs' gradients are gathered as FP8, one byte per
   element; the reduce-scatters stay in the compute dtype. Rowwise gathers a row-parallel
@@ -29,7 +35,8 @@ from dataclasses import dataclass
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.planner.activations import kv_heads_local
 
-QUANT_BYTES = 5.0  # per bf16 element quantized: the amax reads it, the cast reads and writes
+# HBM bytes per bf16 element quantized, by recipe (module docstring; 2026-12-07)
+QUANT_BYTES = {"tensorwise": 3.06, "delayed": 2.58, "rowwise": 7.51}
 SCALE_BYTES = 4.0  # an fp32 scale
 
 
@@ -73,7 +80,7 @@ def quant_bytes(model: ModelConfig, lay: LayoutConfig, tokens: float) -> float:
     stream = tokens / (t if lay.sequence_parallel else 1)  # the residual stream's shard
     acts = 2 * stream * d + tokens * q + tokens * model.d_ff / t
     weights = d * (q + 2 * kv) + q * d + d * ff + model.d_ff / t * d
-    return QUANT_BYTES * (acts + weights) * share(model, lay)
+    return QUANT_BYTES[lay.fp8] * (acts + weights) * share(model, lay)
 
 
 @dataclass(frozen=True)

@@ -258,8 +258,9 @@ class ProgramBytes:
       rings slice, pad and add their chunks through HBM. ``fp8_sp_act_passes``: the same under
       an FP8 recipe with Megatron-SP, where there are no rings (GSPMD gathers the FP8 operands),
       beyond the quantization bytes the planner prices apart (3 × :func:`jaxpar.planner.fp8.
-      quant_bytes`): measured on dp 2 × tp 4 + SP ``--fp8 delayed`` at 1 and 2 sequences per
-      device (``tp4-fp8``, ``tp4-fp8-2seq``; 2026-12-07).
+      quant_bytes`, delayed's 2.58 bytes an element): measured on dp 2 × tp 4 + SP ``--fp8
+      delayed`` at 1 and 2 sequences per device (``tp4-fp8``, ``tp4-fp8-2seq``; 2026-12-07,
+      programs that reduced the dp gradient after the backward).
     * ``weights``: :class:`WeightBytes` per ZeRO stage, from 1, 2 and 4 micro-batches of one
       sequence per device: ZeRO 0/1 slice each layer's fp32 weights out of the stack and cast
       them, write each weight gradient into the stacked fp32 gradient and add it to the
@@ -285,7 +286,7 @@ class ProgramBytes:
 
     act_passes: float = 5.96
     sp_act_passes: float = 15.07
-    fp8_sp_act_passes: float = 10.16
+    fp8_sp_act_passes: float = 10.85
     weights: tuple[tuple[int, WeightBytes], ...] = (
         (0, WeightBytes(step=16.04, microbatch=50.13, loop=28.58)),
         (1, WeightBytes(step=5.19, microbatch=50.13, loop=20.58)),
