@@ -348,20 +348,25 @@ def _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> 
     grads = pc.local * wr
     kind = "all-reduce" if lay.zero == 0 else "reduce-scatter"
     fold = 2 if lay.zero == 0 else 1
-    if ex.reduce_in_backward and lay.pp == lay.microbatches == 1 and lay.zero < 3:
+    if ex.reduce_in_backward and lay.pp == 1 and (lay.microbatches == 1 or lay.zero == 2):
         # Each layer's gradient reduced in the backward (its own calls, combined per layer),
-        # behind the backward of the layers below it; the last layer's, and the
-        # embedding/head/norm gradients' after the layer scan, exposed.
+        # behind the backward of the layers below it; the last layer's exposed. The
+        # embedding/head/norm gradients after the layer scan: the last micro-batch's exposed,
+        # ZeRO-2's earlier ones (one per micro-batch) behind the next micro-batch's forward.
+        times = m if lay.zero == 2 else 1
         per_layer = pc.blocks * wr / layers
         lc = combined_calls(hw, kind, per_layer, ex.bucket_bytes)
-        out = [_term(hw, f"gradient {kind} per layer in the backward ({lc} per layer)", kind,
-                     per_layer / lc * r * fold, lc * layers, n, stride,
-                     ex.overlap_dp * layers * b_layer)]  # fmt: skip
+        out = [_times(_term(hw, f"gradient {kind} per layer in the backward ({lc} per layer)",
+                            kind, per_layer / lc * r * fold, lc * layers, n, stride,
+                            ex.overlap_dp * layers * b_layer), times)]  # fmt: skip
         rest = (pc.local - pc.blocks) * wr
         if rest > 0:
             rc = combined_calls(hw, kind, rest, ex.bucket_bytes)
-            out.append(_term(hw, f"embedding/head gradient {kind} after the backward", kind,
-                             rest / rc * r * fold, rc, n, stride, 0.0))  # fmt: skip
+            label = f"embedding/head gradient {kind} after the backward" + (
+                f" ×{times} micro-batches" if times > 1 else ""
+            )
+            out.append(_term(hw, label, kind, rest / rc * r * fold, rc * times, n, stride,
+                             ex.overlap_dp * (times - 1) * layers * f_layer))  # fmt: skip
         return out + _param_gather_terms(hw, lay, pc, n, stride, layers, f_layer, ex, r, wp)
     calls = combined_calls(hw, kind, grads, ex.bucket_bytes)
     wire = grads / calls * r * fold
@@ -376,11 +381,17 @@ def _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> 
     times = m if lay.zero == 2 else 1
     t = _term(hw, f"gradient {kind} ({calls} bucket{'s' * (calls > 1)})", kind, wire, calls, n,
               stride, window)  # fmt: skip
-    if times > 1:  # ZeRO-2: one reduction per micro-batch, each behind its own backward
-        t = CommTerm(t.name, t.label + f" ×{times} micro-batches", t.bytes * times,
-                     t.calls * times, t.seconds * times, t.latency_s * times, t.hidden_s * times,
-                     t.link, t.algorithm, t.behind)  # fmt: skip
-    return [t, *_param_gather_terms(hw, lay, pc, n, stride, layers, f_layer, ex, r, wp)]
+    return [_times(t, times), *_param_gather_terms(hw, lay, pc, n, stride, layers, f_layer, ex,
+                                                   r, wp)]  # fmt: skip
+
+
+def _times(t: CommTerm, times: int) -> CommTerm:
+    """ZeRO-2: ``t`` once per micro-batch, each behind its own backward."""
+    if times == 1:
+        return t
+    return CommTerm(t.name, t.label + f" ×{times} micro-batches", t.bytes * times,
+                    t.calls * times, t.seconds * times, t.latency_s * times, t.hidden_s * times,
+                    t.link, t.algorithm, t.behind)  # fmt: skip
 
 
 def _param_gather_terms(hw, lay, pc, n, stride, layers, f_layer, ex, r, wp) -> list[CommTerm]:

@@ -9,9 +9,9 @@ all call. Breakdown (bytes on the most loaded device; ``host`` apart):
   ``offload`` moves the optimizer (and with ``params`` the params) to host memory.
 * ``grads``: the gradient of one micro-batch before the data-parallel reduction (full local
   size: stages 0-2 reduce after the backward; ZeRO-3 reduce-scatters each layer's gradient
-  inside the backward, so a shard; a layer in flight is counted with the activations; stages
-  0-2 with one micro-batch and no pipeline on a GPU, ``Executor.reduce_in_backward``: the
-  layers reduced, a shard from stage 1 on, and one layer in flight) plus
+  inside the backward, so a shard; a layer in flight is counted with the activations; without
+  a pipeline on a GPU, ``Executor.reduce_in_backward``, stages 0-2 with one micro-batch and
+  stage 2 with any: the layers reduced, a shard from stage 1 on, and one layer in flight) plus
   ``grad_accum`` (with micro-batches: full at stages 0/1, a shard at 2/3) and ``update``:
   the optimizer's temporaries, a share of the optimizer shard.
 * ``activations``: the block's residuals (:mod:`jaxpar.planner.activations`) × layers per
@@ -94,8 +94,8 @@ def memory(
     host += offloaded
 
     grads = wp * (pc.sharded if lay.zero == 3 else pc.local)
-    if executor.reduce_in_backward and lay.pp == lay.microbatches == 1 and lay.zero < 3 \
-            and lay.dp > 1:  # fmt: skip
+    if executor.reduce_in_backward and lay.pp == 1 and lay.zero < 3 and lay.dp > 1 \
+            and (lay.microbatches == 1 or lay.zero == 2):  # fmt: skip
         # each layer's gradient reduced in the backward: the layers' reduced gradient (a shard
         # from stage 1 on) and one layer's whole one in flight; the embedding/head gradients
         # whole until their reduction after the backward

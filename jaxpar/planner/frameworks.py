@@ -103,8 +103,9 @@ class Executor:
       micro-batch's backward (jaxpar: one ``psum``/``psum_scatter`` of the accumulator, after a
       pipeline's last tick too), so nothing in the backward hides it; ``False``: the framework
       reduces buckets during the backward (Megatron's and DeepSpeed's gradient buckets).
-    * ``reduce_in_backward``: with one micro-batch and no pipeline, ZeRO 0-2 reduce each
-      layer's gradient in the backward, inside the layer scan (jaxpar on a GPU:
+    * ``reduce_in_backward``: without a pipeline, ZeRO 0-2 with one micro-batch and ZeRO-2
+      with any reduce each layer's gradient in the backward, inside the layer scan (jaxpar
+      on a GPU:
       :meth:`jaxpar.train.reduce.DPReduction.reduces_in_backward`, :func:`for_target`): the
       calls hide behind the backward of the layers below, and the reduced gradient is a ZeRO
       shard from stage 1 on, with one layer's whole gradient in flight.

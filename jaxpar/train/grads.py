@@ -37,18 +37,20 @@ def _local_accumulate(ctx: GradContext, params: Any, tokens_BxS, targets_BxS):
     keys whose gradient comes back reduced already.
 
     Stage 2 reduce-scatters each micro-batch's gradient here, so the accumulator is a shard.
-    With one micro-batch, where :meth:`DPReduction.reduces_in_backward`, the backward reduces
-    the layer stacks' gradients layer by layer, and they come back reduced and averaged over
-    the dp ranks (a ZeRO shard from stage 1 on).
+    Where :meth:`DPReduction.reduces_in_backward`, the backward reduces the layer stacks'
+    gradients layer by layer: stage 2's scatter in every micro-batch's backward, stages 0/1
+    with one micro-batch completely (reduced and averaged over the dp ranks, a ZeRO shard at
+    stage 1; those keys are returned as done).
     """
     red, k = ctx.reduction, ctx.layout.microbatches
-    done = ()
-    if k == 1 and red.reduces_in_backward():
-        done = tuple(s for s in STACKS if s in params)
-    hooks = ctx.hooks(reduced=done)
+    stacks = ()  # the layer stacks whose gradient each backward reduces layer by layer
+    if (k == 1 or red.stage == 2) and red.reduces_in_backward():
+        stacks = tuple(s for s in STACKS if s in params)
+    done = stacks if red.stage < 2 else ()  # and completely (stage 2: finish's part left)
+    hooks = ctx.hooks(reduced=stacks)
 
     def vg(p, tok, tgt):
-        if not done:
+        if not stacks:
             (loss, stats), g = jax.value_and_grad(ctx.model.loss_and_stats, has_aux=True)(
                 p, tok, tgt, ctx.compute_dtype, hooks
             )
@@ -58,38 +60,42 @@ def _local_accumulate(ctx: GradContext, params: Any, tokens_BxS, targets_BxS):
         # cotangent; a ZeRO shard (stages 1/2) as the cotangent of a slot of its shape, the
         # params' own gradient stopped.
         sliced = red.stage >= 1
-        fixed = {s: jax.lax.stop_gradient(p[s]) for s in done}
+        fixed = {s: jax.lax.stop_gradient(p[s]) for s in stacks}
 
         def loss_fn(diff, slots):
             full = dict(diff)
-            for s in done:
+            for s in stacks:
                 full[s] = (fixed[s], slots[s]) if sliced else (diff[s], None)
             return ctx.model.loss_and_stats(full, tok, tgt, ctx.compute_dtype, hooks)
 
-        diff = {key: v for key, v in p.items() if not (sliced and key in done)}
-        slots = {s: red.slots(s, p[s]) for s in done} if sliced else {}
+        diff = {key: v for key, v in p.items() if not (sliced and key in stacks)}
+        slots = {s: red.slots(s, p[s]) for s in stacks} if sliced else {}
         (loss, stats), (g, g_slots) = jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(diff, slots)
         g = ctx.constrain_grads({**g, **g_slots})
         return loss, {key: g[key] for key in p}, stats
 
+    def per_microbatch(g: Any) -> Any:
+        """Stage 2's reduce-scatter of one micro-batch's gradient, but the stacks'."""
+        if not stacks:
+            return red.per_microbatch(g)
+        keys = [key for key in g if key not in stacks]
+        rest = red.sub(keys).per_microbatch({key: g[key] for key in keys})
+        return {key: rest.get(key, g[key]) for key in g}
+
     if k == 1:
         loss, g, stats = vg(params, tokens_BxS, targets_BxS)
-        if done:  # stage 2's scatter for the rest (the stacks are reduced)
-            keys = [key for key in g if key not in done]
-            rest = red.sub(keys).per_microbatch({key: g[key] for key in keys})
-            return loss, {key: rest.get(key, g[key]) for key in g}, stats, done
-        return loss, red.per_microbatch(g), stats, done
+        return loss, per_microbatch(g), stats, done
 
     def body(carry, mb):
         loss_sum, acc, stats_sum = carry
         loss, g, stats = vg(params, mb[0], mb[1])
-        acc = jax.tree.map(jnp.add, acc, red.per_microbatch(g))
+        acc = jax.tree.map(jnp.add, acc, per_microbatch(g))
         return (loss_sum + loss, acc, jax.tree.map(jnp.add, stats_sum, stats)), None
 
     # The accumulator has the shape one micro-batch's (reduced) gradient has: full at stages
     # 0/1, a shard at stages 2/3.
     shapes = jax.eval_shape(
-        lambda p: red.per_microbatch(vg(p, tokens_BxS[:1], targets_BxS[:1])[1]), params
+        lambda p: per_microbatch(vg(p, tokens_BxS[:1], targets_BxS[:1])[1]), params
     )
     stat_shapes = jax.eval_shape(lambda p: vg(p, tokens_BxS[:1], targets_BxS[:1])[2], params)
     zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)  # noqa: E731

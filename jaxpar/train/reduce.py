@@ -19,9 +19,10 @@ ring factor (N−1)/N, k micro-batches):
   backward — the remat policies never keep gathered weights, :mod:`jaxpar.train.remat`), and
   the gather's transpose is the reduce-scatter of that layer's gradient: 3kΨ.
 
-On a GPU target with one micro-batch and no pipeline, stages 0-2 reduce each layer's gradient
-inside the backward's layer scan instead, with the same bytes (:meth:`DPReduction.
-reduces_in_backward`): in flight beside the backward of the layers below it.
+On a GPU target without a pipeline, each layer's gradient is reduced inside the backward's
+layer scan instead, with the same bytes (:meth:`DPReduction.reduces_in_backward`): in flight
+beside the backward of the layers below it; stages 0-2 with one micro-batch, stage 2 in every
+micro-batch's backward.
 
 Hybrid sharding (``dp_shard``): the scatter/gather run over ``dps`` (within a group), then a
 ``psum`` of the shard over ``dpr`` (across groups). Expert parallelism (``ep``,
@@ -260,12 +261,13 @@ class DPReduction:
         next iterations' matmuls; after the scan nothing is left to overlap with (llama3-8b,
         DDP over an H100 node: 0.125 s of 0.773 s exposed, BENCHMARKS.md). Not on CPU, where
         every collective is a rendezvous of all device threads and one per step is cheapest.
-        Without a pipeline and without gradient accumulation only (the caller's part): a
-        pipeline's ticks accumulate a layer's gradient until the last micro-batch's backward
-        through it, at a tick that differs by rank; with micro-batches the last one's backward
-        would add the accumulator in and hold the reduced gradient beside it (llama3-8b at 8
-        layers, dp 8, 2 micro-batches, H100: +5.7 GiB at ZeRO-1, +9.7 GiB at ZeRO-0, against
-        0.02 s of dp hidden), and the reduction is one per micro-batches' backwards anyway."""
+        Without a pipeline (the caller's part): a pipeline's ticks accumulate a layer's
+        gradient until the last micro-batch's backward through it, at a tick that differs by
+        rank. With micro-batches, stage 2 reduce-scatters each one's gradient in its backward
+        (its accumulator is a shard already); stages 0/1 reduce once after the accumulation:
+        the last micro-batch's backward would add the accumulator in and hold the reduced
+        gradient beside it (llama3-8b at 8 layers, dp 8, 2 micro-batches, H100: +5.7 GiB at
+        ZeRO-1, +9.7 GiB at ZeRO-0, against 0.02 s of dp hidden)."""
         return self.stage < 3 and self.n > 1 and not packed_collectives()
 
     def _layer(self, key: str) -> DPReduction:
@@ -290,11 +292,13 @@ class DPReduction:
 
     def reduced_in_backward(self, key: str, lp: Any, slot: Any) -> Any:
         """``lp`` (one layer of the stack ``key``) as it is, whose backward reduces the
-        layer's gradient as :meth:`finish` would (stage 0 all-reduce, stages 1/2
-        reduce-scatter) and divides it by the dp ranks. Stage 0 (``slot`` None) returns it as
-        the cotangent of ``lp``; stages 1/2, a ZeRO shard, as the cotangent of ``slot``
-        (:meth:`slots`; ``lp``'s own gradient stopped by the caller). One layer's leaves go
-        in one region (:func:`on_local_blocks`), so they move exactly their tp/sp blocks."""
+        layer's gradient: at stages 0/1 as :meth:`finish` would (stage 0 all-reduce, stage 1
+        reduce-scatter) and divided by the dp ranks; at stage 2 its micro-batch's
+        reduce-scatter (:meth:`per_microbatch`), :meth:`finish` doing the rest once per step.
+        Stage 0 (``slot`` None) returns it as the cotangent of ``lp``; stages 1/2, a ZeRO
+        shard, as the cotangent of ``slot`` (:meth:`slots`; ``lp``'s own gradient stopped by
+        the caller). One layer's leaves go in one region (:func:`on_local_blocks`), so they
+        move exactly their tp/sp blocks."""
         one = self._layer(key)
 
         @jax.custom_vjp
@@ -308,6 +312,8 @@ class DPReduction:
             def local(g):
                 if one.stage >= 1:
                     g = one._scatter_tree(g, one.dims)
+                if one.stage == 2:
+                    return g
                 return jax.tree.map(one._mean_over_ranks, g, one.dims, one._ep())
 
             reduced = on_local_blocks(local, one.auto_specs, g)
