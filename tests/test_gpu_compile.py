@@ -300,6 +300,7 @@ def test_weight_heavy_model_memory_within_10_percent(tmp_path, zero, d_model):
     assert 0.9 < mem["ratio"] < 1.1, mem
     if zero == 0:
         assert mem["temp"] < mem["argument"], mem
+        assert out["layout"]["dp_reduction"] == "all_reduce_per_layer"
         lay = dataclasses.replace(C.load_mesh("h100-8").layout, dp=8, tp=1, pp=1, sp=1)
         items = async_collectives(hlo.read_text(), make_mesh(lay, jax.devices()[:8]))
         reduces = [it for it in items if it.kind == "all-reduce" and it.axes == ("dp",)]

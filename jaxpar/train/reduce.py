@@ -146,8 +146,17 @@ class DPReduction:
 
     @property
     def name(self) -> str:
-        """What the compiled step does (``dp_reduction`` in the run summary)."""
+        """What the compiled step does once per step or micro-batch (``dp_reduction`` in the run
+        summary where the backward does not reduce: :meth:`compiled_name`)."""
         return REDUCTION_NAMES[self.stage] if self.n > 1 else "none"
+
+    def compiled_name(self, microbatches: int, pp: int) -> str:
+        """``dp_reduction`` of the step compiled for the active mesh with ``microbatches`` and
+        ``pp``: ``all_reduce_per_layer`` / ``reduce_scatter_per_layer`` where the backward
+        reduces each layer (:meth:`reduces_in_backward`), else :attr:`name`."""
+        if pp == 1 and (microbatches == 1 or self.stage == 2) and self.reduces_in_backward():
+            return "all_reduce_per_layer" if self.stage == 0 else "reduce_scatter_per_layer"
+        return self.name
 
     @property
     def n(self) -> int:

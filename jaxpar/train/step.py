@@ -177,7 +177,9 @@ class Trainer:
     @property
     def dp_reduction(self) -> str:
         """The data-parallel reduction the step compiles (e.g. ``reduce_scatter_once``)."""
-        return self.grad_ctx.reduction.name
+        lay = self.cfg.layout
+        with jax.set_mesh(self.mesh):  # the target's platform decides (reduces_in_backward)
+            return self.grad_ctx.reduction.compiled_name(lay.microbatches, lay.pp)
 
     @property
     def param_shardings(self):
