@@ -59,7 +59,7 @@ from jaxpar.planner import moe as MOE
 from jaxpar.planner import zero3 as Z3
 from jaxpar.planner.activations import kv_heads_local
 from jaxpar.planner.collectives import call_time, combined_calls
-from jaxpar.planner.frameworks import Executor
+from jaxpar.planner.frameworks import Executor, reduces_layers_in_backward
 from jaxpar.planner.hardware import crosses_nodes
 from jaxpar.planner.layer import Calls, LayerTime
 from jaxpar.planner.shapes import param_counts
@@ -348,7 +348,7 @@ def _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex) -> 
     grads = pc.local * wr
     kind = "all-reduce" if lay.zero == 0 else "reduce-scatter"
     fold = 2 if lay.zero == 0 else 1
-    if ex.reduce_in_backward and lay.pp == 1 and (lay.microbatches == 1 or lay.zero == 2):
+    if reduces_layers_in_backward(ex, lay):
         # Each layer's gradient reduced in the backward (its own calls, combined per layer),
         # behind the backward of the layers below it; the last layer's exposed. The
         # embedding/head/norm gradients after the layer scan: the last micro-batch's exposed,

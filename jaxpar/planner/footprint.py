@@ -43,7 +43,7 @@ from jaxpar.config import LayoutConfig, ModelConfig
 from jaxpar.planner import moe as MOE
 from jaxpar.planner.activations import block_residuals, kv_heads_local
 from jaxpar.planner.cost import action_costs
-from jaxpar.planner.frameworks import JAXPAR, Executor, for_model
+from jaxpar.planner.frameworks import JAXPAR, Executor, for_model, reduces_layers_in_backward
 from jaxpar.planner.pipe import PipeFigures, figures
 from jaxpar.planner.shapes import param_counts
 from jaxpar.planner.workload import Shape
@@ -94,8 +94,7 @@ def memory(
     host += offloaded
 
     grads = wp * (pc.sharded if lay.zero == 3 else pc.local)
-    if executor.reduce_in_backward and lay.pp == 1 and lay.zero < 3 and lay.dp > 1 \
-            and (lay.microbatches == 1 or lay.zero == 2):  # fmt: skip
+    if reduces_layers_in_backward(executor, lay):
         # each layer's gradient reduced in the backward: the layers' reduced gradient (a shard
         # from stage 1 on) and one layer's whole one in flight; the embedding/head gradients
         # whole until their reduction after the backward

@@ -251,6 +251,10 @@ class ProgramBytes:
     (:mod:`jaxpar.gpu.timing`), the compute stream's memory-bound kernels summed, one layer's
     bytes the difference over two. Not fitted to the grid of ``scripts/bench_gpu_grid.py``
     (whose llama3-8b rows share this layer shape: they are not independent checks of it).
+    ``act_passes`` and the ZeRO-0/1 ``weights`` were measured on programs that reduced the
+    gradient after the backward; since 6581ea4 those calibration programs reduce each layer
+    in the backward, and the same script reads ``act_passes`` 7.05 there (BENCHMARKS.md,
+    "Calibration programs after the change"): the refit is open.
 
     * ``act_passes``: a layer's bytes that grow with its micro-batch's tokens, forward and
       backward, in units of its saved activations (``block_residuals``): 5.96 measured (1 and 2
@@ -304,6 +308,15 @@ class ProgramBytes:
 
 
 PROGRAM_BYTES = ProgramBytes()
+
+
+def reduces_layers_in_backward(executor: Executor, lay) -> bool:
+    """Whether ``executor`` reduces each layer's data-parallel gradient inside the backward
+    for the layout ``lay`` (``Executor.reduce_in_backward``; the trainer's rule,
+    :meth:`jaxpar.train.reduce.DPReduction.reduces_in_backward`): no pipeline, ZeRO 0-2 over
+    more than one rank, one micro-batch or ZeRO-2."""
+    return (executor.reduce_in_backward and lay.pp == 1 and lay.zero < 3 and lay.dp > 1
+            and (lay.microbatches == 1 or lay.zero == 2))  # fmt: skip
 
 
 def for_target(hw, executor: Executor = JAXPAR) -> Executor:

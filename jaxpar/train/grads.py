@@ -44,7 +44,7 @@ def _local_accumulate(ctx: GradContext, params: Any, tokens_BxS, targets_BxS):
     """
     red, k = ctx.reduction, ctx.layout.microbatches
     stacks = ()  # the layer stacks whose gradient each backward reduces layer by layer
-    if (k == 1 or red.stage == 2) and red.reduces_in_backward():
+    if red.reduces_in_backward(k, pp=1):
         stacks = tuple(s for s in STACKS if s in params)
     done = stacks if red.stage < 2 else ()  # and completely (stage 2: finish's part left)
     hooks = ctx.hooks(reduced=stacks)
@@ -74,13 +74,8 @@ def _local_accumulate(ctx: GradContext, params: Any, tokens_BxS, targets_BxS):
         g = ctx.constrain_grads({**g, **g_slots})
         return loss, {key: g[key] for key in p}, stats
 
-    def per_microbatch(g: Any) -> Any:
-        """Stage 2's reduce-scatter of one micro-batch's gradient, but the stacks'."""
-        if not stacks:
-            return red.per_microbatch(g)
-        keys = [key for key in g if key not in stacks]
-        rest = red.sub(keys).per_microbatch({key: g[key] for key in keys})
-        return {key: rest.get(key, g[key]) for key in g}
+    def per_microbatch(g: Any) -> Any:  # the stacks' scatter was in the backward
+        return red.per_microbatch(g, stacks)
 
     if k == 1:
         loss, g, stats = vg(params, tokens_BxS, targets_BxS)

@@ -154,7 +154,7 @@ class DPReduction:
         """``dp_reduction`` of the step compiled for the active mesh with ``microbatches`` and
         ``pp``: ``all_reduce_per_layer`` / ``reduce_scatter_per_layer`` where the backward
         reduces each layer (:meth:`reduces_in_backward`), else :attr:`name`."""
-        if pp == 1 and (microbatches == 1 or self.stage == 2) and self.reduces_in_backward():
+        if self.reduces_in_backward(microbatches, pp):
             return "all_reduce_per_layer" if self.stage == 0 else "reduce_scatter_per_layer"
         return self.name
 
@@ -219,11 +219,14 @@ class DPReduction:
 
         return jax.tree.map(weight, on_local_blocks(gathered, local, tree))
 
-    def per_microbatch(self, g: Any) -> Any:
+    def per_microbatch(self, g: Any, done: tuple[str, ...] = ()) -> Any:
         """Stage 2: reduce-scatter one micro-batch's gradient (the accumulator is a shard), all
-        sharded leaves in one collective."""
+        sharded leaves in one collective; the top-level keys in ``done`` were scattered in the
+        backward (:meth:`reduced_in_backward`) and pass through."""
         if self.stage != 2:
             return g
+        if done:
+            return self._but(done, g, lambda red, t: red.per_microbatch(t))
         return on_local_blocks(lambda t: self._scatter_tree(t, self.dims), self.auto_specs, g)
 
     def finish(self, g: Any, done: tuple[str, ...] = ()) -> Any:
@@ -231,10 +234,7 @@ class DPReduction:
         top-level keys in ``done`` were reduced in the backward already
         (:meth:`reduced_in_backward`) and pass through."""
         if done:
-            rest = self.sub([k for k in g if k not in done]).finish(
-                {k: v for k, v in g.items() if k not in done}
-            )
-            return {k: g[k] if k in done else rest[k] for k in g}
+            return self._but(done, g, lambda red, t: red.finish(t))
 
         def local(t):
             if self.stage == 1:
@@ -252,32 +252,39 @@ class DPReduction:
             axes = tuple(a for a in axes if a != "ep")
         return self._psum(x, axes) / self.n
 
-    def sub(self, keys: list[str]) -> DPReduction:
-        """This reduction for the top-level params ``keys`` only."""
+    def _but(self, done: tuple[str, ...], g: dict, fn: Callable) -> dict:
+        """``g`` with ``fn(this reduction for the other keys, their gradients)`` applied to
+        every top-level key but those in ``done``, which pass through."""
+        keys = [k for k in g if k not in done]
         pick = lambda t: None if t is None else {k: t[k] for k in keys}  # noqa: E731
-        return replace(self, dims=pick(self.dims), auto_specs=pick(self.auto_specs),
-                       ep_dims=pick(self.ep_dims))  # fmt: skip
+        sub = replace(self, dims=pick(self.dims), auto_specs=pick(self.auto_specs),
+                      ep_dims=pick(self.ep_dims))  # fmt: skip
+        rest = fn(sub, pick(g))
+        return {k: g[k] if k in done else rest[k] for k in g}
 
     # ---- stages 0-2: each layer's gradient reduced inside the backward's layer scan ------
 
-    def reduces_in_backward(self) -> bool:
+    def reduces_in_backward(self, microbatches: int, pp: int) -> bool:
         """Whether stages 0-2 reduce each layer's gradient in the backward's layer scan (one
         set of collectives per layer, each in flight beside the backward of the layers below
-        it) rather than the stacked gradient once after the scan.
+        it) rather than the stacked gradient once after the scan, for a step of
+        ``microbatches`` and ``pp`` on the active mesh.
 
         On a GPU target (:func:`packed_collectives` is false there), where the latency-hiding
         scheduler overlaps a collective started in one iteration of the backward loop with the
         next iterations' matmuls; after the scan nothing is left to overlap with (llama3-8b,
-        DDP over an H100 node: 0.125 s of 0.773 s exposed, BENCHMARKS.md). Not on CPU, where
-        every collective is a rendezvous of all device threads and one per step is cheapest.
-        Without a pipeline (the caller's part): a pipeline's ticks accumulate a layer's
-        gradient until the last micro-batch's backward through it, at a tick that differs by
-        rank. With micro-batches, stage 2 reduce-scatters each one's gradient in its backward
-        (its accumulator is a shard already); stages 0/1 reduce once after the accumulation:
-        the last micro-batch's backward would add the accumulator in and hold the reduced
-        gradient beside it (llama3-8b at 8 layers, dp 8, 2 micro-batches, H100: +5.7 GiB at
-        ZeRO-1, +9.7 GiB at ZeRO-0, against 0.02 s of dp hidden)."""
-        return self.stage < 3 and self.n > 1 and not packed_collectives()
+        ZeRO-1 over an H100 node: 0.075 s of 0.629 s exposed before, 0.035 of 0.543 s after;
+        BENCHMARKS.md). Not on CPU, where every collective is a rendezvous of all device
+        threads and one per step is cheapest. Not with a pipeline: its ticks accumulate a
+        layer's gradient until the last micro-batch's backward through it, at a tick that
+        differs by rank. With micro-batches, stage 2 reduce-scatters each one's gradient in its
+        backward (its accumulator is a shard already); stages 0/1 reduce once after the
+        accumulation: the last micro-batch's backward would add the accumulator in and hold the
+        reduced gradient beside it (llama3-8b at 8 layers, dp 8, 2 micro-batches, H100: +5.7
+        GiB at ZeRO-1, +9.7 GiB at ZeRO-0, against 0.02 s of dp hidden)."""
+        if self.stage >= 3 or self.n == 1 or pp > 1 or (microbatches > 1 and self.stage < 2):
+            return False
+        return not packed_collectives()
 
     def _layer(self, key: str) -> DPReduction:
         """This reduction for one layer of the stack ``key`` (its ``[L]`` dim sliced off)."""
