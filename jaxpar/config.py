@@ -177,6 +177,33 @@ class ModelConfig:
             return "moe_layers", self.moe_layers()
         return "layers", self.n_layers
 
+    def bf16_spans(self, first: int, last: int) -> dict[str, tuple[int, int]]:
+        """Per layer stack (``layers``; a MoE model's ``moe_layers`` too), how many of its
+        entries at the start and at the end keep bf16 GEMMs when the model's first ``first``
+        and last ``last`` blocks do (``layout.fp8_bf16_first``/``last``). A MoE group is one
+        entry of ``moe_layers``, so an end inside the groups must fall on a group boundary:
+        ``ValueError`` naming the layer counts that do."""
+        if not self.moe.enabled:
+            return {"layers": (first, last)}
+        pre, every, groups = self.moe.first_dense, self.moe.every, self.moe_layers()
+        into_first, into_last = max(0, first - pre), min(last, groups * every)
+        if into_first % every:
+            raise ValueError(
+                f"layout.fp8_bf16_first={first}: must end on a MoE group boundary: at most "
+                f"model.moe.first_dense={pre} blocks, or {pre} plus a multiple of "
+                f"model.moe.every={every}"
+            )
+        if into_last % every:
+            raise ValueError(
+                f"layout.fp8_bf16_last={last}: must start on a MoE group boundary: a multiple "
+                f"of model.moe.every={every} (the last {groups * every} blocks are {groups} "
+                f"MoE groups)"
+            )
+        spans = {"moe_layers": (into_first // every, into_last // every)}
+        if pre:
+            spans["layers"] = (min(first, pre), max(0, last - groups * every))
+        return spans
+
     def dense_prefix(self) -> int:
         """Dense blocks before the first MoE group (all of them for a dense model)."""
         return self.moe.first_dense if self.moe.enabled else self.n_layers

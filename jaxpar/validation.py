@@ -481,8 +481,6 @@ def check_fp8(m: ModelConfig, lay: LayoutConfig) -> None:
         if n and lay.pp > 1:
             raise ConfigError(f"{name}={n}: not supported with a pipeline yet (layout.pp="
                               f"{lay.pp}); every block runs FP8 there")  # fmt: skip
-        if n and m.moe.enabled:
-            raise ConfigError(f"{name}={n}: not supported for MoE models yet")
     if lay.fp8_bf16_first + lay.fp8_bf16_last >= m.n_layers > 0 and lay.fp8 != "none":
         raise ConfigError(
             f"layout.fp8_bf16_first + layout.fp8_bf16_last = "
@@ -491,6 +489,10 @@ def check_fp8(m: ModelConfig, lay: LayoutConfig) -> None:
         )
     if lay.fp8 == "none":
         return
+    try:  # a MoE model's ends fall on group boundaries
+        m.bf16_spans(lay.fp8_bf16_first, lay.fp8_bf16_last)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if lay.compute_dtype != "bfloat16":
         raise ConfigError(
             f"layout.fp8={lay.fp8!r}: needs layout.compute_dtype='bfloat16' (FP8 GEMMs replace "

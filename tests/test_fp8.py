@@ -199,6 +199,47 @@ def test_bf16_ends_run_their_blocks_without_fp8():
     assert min(abs(got - fp8_loss), abs(got - none)) > 1e-6 * abs(got)
 
 
+def test_moe_bf16_ends_fall_on_groups():
+    """A MoE model's bf16 ends count blocks: the dense prefix block and the last MoE group in
+    bf16, the first group in FP8 (:meth:`ModelConfig.bf16_spans`), composed here by hand from
+    the prefix and group loops; it differs from the all-FP8 and the all-bf16 model's."""
+    import dataclasses
+
+    from jaxpar import sharding as shd
+
+    tr = moe_trainer("tensorwise", fp8_bf16_first=1, fp8_bf16_last=1)
+    cfg, model = tr.cfg, tr.model
+    assert cfg.model.bf16_spans(1, 1) == {"moe_layers": (0, 1), "layers": (1, 0)}
+    params = model.init(jax.random.key(0))
+    rows = moe_rows(0)
+    tokens, targets = rows[:, :-1], rows[:, 1:]
+    rules = shd.rules_for(cfg.model, cfg.layout)
+    bf16 = dataclasses.replace(rules, fp8="none")
+    all_fp8 = dataclasses.replace(rules, fp8_bf16_ends=(0, 0))
+    pos = np.arange(tokens.shape[1])
+    group = lambda g: jax.tree.map(lambda a: a[g : g + 1], params["moe_layers"])  # noqa: E731
+
+    def by_hand():
+        with shd.use_rules(bf16):
+            x = model.blocks(params["layers"], model.embed(params, tokens), pos)
+        for g, r in ((0, all_fp8), (1, bf16)):
+            with shd.use_rules(r):
+                x, _ = model.moe_groups(group(g), x, pos)
+        return model.head_loss(params, x, targets)
+
+    def loss(r):
+        with shd.use_rules(r):
+            return model.loss(params, tokens, targets)
+
+    mesh = make_mesh(cfg.layout, jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        got, want = float(jax.jit(lambda: loss(rules))()), float(jax.jit(by_hand)())
+        fp8_loss = float(jax.jit(lambda: loss(all_fp8))())
+        none = float(jax.jit(lambda: loss(bf16))())
+    assert abs(got - want) <= 2e-7 * abs(want)
+    assert min(abs(got - fp8_loss), abs(got - none)) > 1e-6 * abs(got)
+
+
 def moe_trainer(recipe: str, **layout) -> Trainer:
     """test_moe's tiny MoE (8 experts, top-2, a shared expert; layer 0 dense), 8 × 16 tokens,
     with the FP8 ``recipe`` on ``layout`` (also tests/test_fp8_delayed.py's)."""
@@ -229,14 +270,19 @@ def _moe_grads(recipe: str, **layout):
 
 
 @pytest.mark.parametrize(
-    "recipe, layout", [("tensorwise", dict(dp=4, ep=2, zero=3)), ("rowwise", dict(dp=2, ep=2))]
+    "recipe, layout",
+    [
+        # with the dense block and the last MoE group in bf16: the first group's in FP8
+        ("tensorwise", dict(dp=4, ep=2, zero=3, fp8_bf16_first=1, fp8_bf16_last=1)),
+        ("rowwise", dict(dp=2, ep=2)),
+    ],
 )
 def test_moe_experts_fp8_equal_one_device(recipe, layout):
     """Each routed expert's GEMMs in FP8 (a tensorwise scale per expert over its tokens on
     every edp rank, not over ep, whose ranks hold other experts; rowwise scales per token row
     and per column over the expert's tokens): dp × ep (with ZeRO-3) reproduces one device's
-    gradients, the experts' included."""
-    ref_loss, ref = _moe_grads(recipe)
+    gradients, the experts' included; with bf16 ends, one device with the same ends."""
+    ref_loss, ref = _moe_grads(recipe, **{k: v for k, v in layout.items() if "fp8" in k})
     loss, g = _moe_grads(recipe, **layout)
     assert abs(loss / ref_loss - 1) < 1e-6
     for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]:
@@ -255,9 +301,10 @@ def test_moe_experts_fp8_equal_one_device(recipe, layout):
         (dict(fp8="blockwise"), "layout.fp8='blockwise'"),
         (dict(fp8="tensorwise", compute_dtype="float32"), "needs layout.compute_dtype='bfloat16'"),
         (dict(fp8_bf16_first=1), "layout.fp8_bf16_first=1: keeps blocks in bf16 under an FP8"),
-        (
+        (  # two MoE groups of two blocks each: an end inside a group
             dict(fp8="tensorwise", compute_dtype="bfloat16", fp8_bf16_first=1, moe=True),
-            "layout.fp8_bf16_first=1: not supported for MoE models yet",
+            "layout.fp8_bf16_first=1: must end on a MoE group boundary: at most "
+            "model.moe.first_dense=0 blocks, or 0 plus a multiple of model.moe.every=2",
         ),
         (
             dict(fp8="tensorwise", compute_dtype="bfloat16", fp8_bf16_last=1, pp=2, microbatches=2),
@@ -275,7 +322,7 @@ def test_bad_recipe_refused_in_one_line(change, words):
     moe = change.pop("moe", False)
     cfg = small_config(**change)
     if moe:
-        cfg.model.moe = C.MoeConfig(experts=8, top_k=2, expert_ff=16)
+        cfg.model.moe = C.MoeConfig(experts=8, top_k=2, expert_ff=16, every=2)
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")) as e:
         V.validate(cfg, cfg.layout.n_devices)
     assert "\n" not in str(e.value)

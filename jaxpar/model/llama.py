@@ -323,21 +323,7 @@ class Model:
         def body(x, layer_params):
             return self.block(layer_params, x, positions_S), None
 
-        # Under an FP8 recipe with bf16 ends (layout.fp8_bf16_first/last): three loops, the
-        # first and last blocks traced with the recipe off (copies of their layers' slices).
-        rules = active_rules()
-        n = jax.tree.leaves(stacked)[0].shape[0]
-        first, last = rules.fp8_bf16_ends if rules is not None and rules.fp8 != "none" else (0, 0)
-        if not (first or last):
-            return self._scan(body, stacked, x_BxSxD, wrap)[0]
-        if n <= first + last:  # config validation refuses this before tracing
-            raise ValueError(f"fp8 bf16 ends {first} + {last} leave none of {n} blocks in FP8")
-        bf16 = replace(rules, fp8="none")
-        for lo, hi, seg_rules in ((0, first, bf16), (first, n - last, rules), (n - last, n, bf16)):
-            if hi > lo:
-                part = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stacked)
-                x_BxSxD = self._scan(_under(seg_rules, body), part, x_BxSxD, wrap)[0]
-        return x_BxSxD
+        return self._in_spans("layers", body, stacked, x_BxSxD, wrap)[0]
 
     def moe_groups(
         self,
@@ -352,14 +338,43 @@ class Model:
         def body(x, group):
             return self.group(group, x, positions_S)
 
-        return self._scan(body, stacked, x_BxSxD, wrap)
+        return self._in_spans("moe_layers", body, stacked, x_BxSxD, wrap)
 
     def group(self, group: Params, x_BxSxD: jax.Array, positions_S: jax.Array):
         """One MoE group (one slice of ``moe_layers``): its dense blocks, then its MoE block;
         returns the output and the MoE block's :class:`jaxpar.model.moe.MoeStats`."""
         if "dense" in group:
-            x_BxSxD = self.blocks(group["dense"], x_BxSxD, positions_S)
+
+            def body(x, layer_params):
+                return self.block(layer_params, x, positions_S), None
+
+            # one loop over the group's dense blocks, under the group's rules (its FP8 span)
+            x_BxSxD = self._scan(body, group["dense"], x_BxSxD, None)[0]
         return self._bind("moe_block", group["moe"]).with_stats(x_BxSxD, positions_S)
+
+    def _in_spans(self, stack: str, body: Callable, stacked: Params, x_BxSxD: jax.Array,
+                  wrap) -> tuple:  # fmt: skip
+        """:meth:`_scan` of ``body`` over the layer stack ``stack``; under an FP8 recipe with
+        bf16 ends (``layout.fp8_bf16_first/last``, :meth:`ModelConfig.bf16_spans`) three
+        loops, the stack's first and last entries traced with the recipe off (copies of their
+        slices), the outputs concatenated."""
+        rules = active_rules()
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        first = last = 0
+        if rules is not None and rules.fp8 != "none" and any(rules.fp8_bf16_ends):
+            first, last = self.cfg.bf16_spans(*rules.fp8_bf16_ends).get(stack, (0, 0))
+        if not (first or last):
+            return self._scan(body, stacked, x_BxSxD, wrap)
+        if n < first + last:  # config validation refuses this before tracing
+            raise ValueError(f"fp8 bf16 ends {first} + {last} exceed the {n} entries of {stack}")
+        bf16 = replace(rules, fp8="none")
+        outs = []
+        for lo, hi, seg_rules in ((0, first, bf16), (first, n - last, rules), (n - last, n, bf16)):
+            if hi > lo:
+                part = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stacked)
+                x_BxSxD, out = self._scan(_under(seg_rules, body), part, x_BxSxD, wrap)
+                outs.append(out)
+        return x_BxSxD, jax.tree.map(lambda *o: jnp.concatenate(o), *outs)
 
     def _scan(self, body: Callable, stacked: Params, x_BxSxD: jax.Array, wrap) -> tuple:
         """``body`` over the leading axis of ``stacked`` (wrapped), as ``model.layer_unroll``
