@@ -22,7 +22,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import small_config
+from conftest import DEFAULT_CPU_FUSION, small_config
 from test_pipeline import tiny, trainer_of
 
 from jaxpar.analysis.hlo import copy_bytes
@@ -54,7 +54,8 @@ def compiled_tick(cfg):
         return carries[-1]
 
     with tr._ctx(), mock.patch.object(_Program, "carry0", recorded):
-        text = jax.jit(tr.grads_fn).lower(tr.abstract_params, batch).compile().as_text()
+        lowered = jax.jit(tr.grads_fn).lower(tr.abstract_params, batch)
+        text = lowered.compile(DEFAULT_CPU_FUSION).as_text()  # as users' CPU runs compile it
     tick = max(copy_bytes(text)["loops"], key=lambda lp: lp["trips"])
     p, v = tr.abstract_params, cfg.layout.virtual
     lc = cfg.model.n_layers // (cfg.layout.pp * v)

@@ -60,7 +60,10 @@ def test_padded_vocabulary_reproduces_one_device(name):
         for key in path:
             r, p0, p = r[key.key], p0[key.key], p[key.key]
         assert leaf.shape == r.shape and p.shape == p0.shape  # the true vocabulary, canonical
-        np.testing.assert_array_equal(p, p0)  # the same initial weights as one device
+        # The same initial weights as one device: bitwise with XLA:CPU's default fusion
+        # emitters; the suite's classic ones (conftest) round the padded table's init one ulp
+        # apart in a few percent of its elements.
+        np.testing.assert_allclose(p, p0, rtol=3e-7, atol=0)
         np.testing.assert_allclose(leaf, r, rtol=1e-4, atol=1e-4 * np.abs(r).max(),
                                    err_msg=str(path))  # fmt: skip
     # At rest the padded rows exist and get no gradient (they stay zero under AdamW).
