@@ -146,8 +146,13 @@ def tp_calls(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: S
         kind = "all-reduce"
     fwd, bwd = fwd + [scale] * amax.fwd, bwd + [scale] * amax.bwd
     f, b = _calls(hw, fwd, lay.tp, 1), _calls(hw, bwd, lay.tp, 1)
+    # Current scaling (tensorwise, rowwise) quantizes with the max it has just taken: its GEMMs
+    # wait for these calls. A delayed recipe's maxes go to the history, off the GEMMs' path.
+    on_path = F8.on(lay) and lay.fp8 != "delayed"
+    sync = [_calls(hw, [scale] * k, lay.tp, 1)[0] if on_path and k else 0.0
+            for k in (amax.fwd, amax.bwd)]  # fmt: skip
     return Calls(f[0], b[0], f[1], b[1], len(fwd), len(bwd), f[2], b[2], _link(hw, 1, lay.tp),
-                 f[3], kind)  # fmt: skip
+                 f[3], kind, *sync)  # fmt: skip
 
 
 def sp_calls(model: ModelConfig, hw: HardwareConfig, lay: LayoutConfig, shape: Shape) -> Calls:

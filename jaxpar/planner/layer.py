@@ -23,6 +23,10 @@ class Calls:
     link: str = "intra"
     algorithm: str = "none"
     kind: str = ""  # what the calls are, e.g. "all-gather + reduce-scatter"
+    # seconds of the calls above whose result the next kernel waits for (a current-scaling FP8
+    # scale's max: the GEMM quantizes with it), which nothing hides
+    fwd_sync_s: float = 0.0
+    bwd_sync_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class LayerTime:
         paired with (the matmuls for tp, the attention core for ring sp sends), up to its
         length, for an executor that overlaps them."""
         calls = self.tp if axis == "tp" else self.sp
-        secs = calls.bwd_s if backward else calls.fwd_s
+        secs = calls.bwd_s - calls.bwd_sync_s if backward else calls.fwd_s - calls.fwd_sync_s
         window = (self.matmul if axis == "tp" else self.attention) * (2 if backward else 1)
         ring = self.ring_hidden * secs if axis == "tp" else 0.0
         return max(min(secs, self.overlap_tp * window), ring)
