@@ -223,8 +223,9 @@ RING_HIDDEN = 0.68
 # program of another shape than the rows it is checked on: llama3-8b's layer shape, dp 2 x tp 4
 # + SP, --fp8 delayed, h100-8, 2 and 4 layers; one layer's tp collective seconds (comm_s["tp"],
 # scale all-reduces included) and their exposed part (exposed_s["tp"]), each the difference
-# over two layers of the simulated programs: hidden = 1 - exposed / comm.
-FP8_TP_HIDDEN = 0.74
+# over two layers of the simulated programs: hidden = 1 - exposed / comm (0.74 on the programs
+# before 6581ea4, 0.67 since).
+FP8_TP_HIDDEN = 0.67
 
 
 @dataclass(frozen=True)
@@ -251,29 +252,29 @@ class ProgramBytes:
     (:mod:`jaxpar.gpu.timing`), the compute stream's memory-bound kernels summed, one layer's
     bytes the difference over two. Not fitted to the grid of ``scripts/bench_gpu_grid.py``
     (whose llama3-8b rows share this layer shape: they are not independent checks of it).
-    ``act_passes`` and the ZeRO-0/1 ``weights`` were measured on programs that reduced the
-    gradient after the backward; since 6581ea4 those calibration programs reduce each layer
-    in the backward, and the same script reads ``act_passes`` 7.05 there (BENCHMARKS.md,
-    "Calibration programs after the change"): the refit is open.
+    Every figure is from the programs as they compile since 6581ea4, where ZeRO 0-2 reduce each
+    layer's gradient in the backward (refit 2026-12-07, BENCHMARKS.md "PROGRAM_BYTES refit";
+    before: ``act_passes`` 5.96, measured on programs that reduced after the backward).
 
     * ``act_passes``: a layer's bytes that grow with its micro-batch's tokens, forward and
-      backward, in units of its saved activations (``block_residuals``): 5.96 measured (1 and 2
-      sequences per device, dp 8), so the planner's ``3 × FUSED_PASSES`` = 6 stands;
+      backward, in units of its saved activations (``block_residuals``): 7.05 measured (1 and 2
+      sequences per device, dp 8, ZeRO-1);
       ``sp_act_passes``: the same under Megatron-SP (tp 8): 15.1 — the collective matmul's
       rings slice, pad and add their chunks through HBM. ``fp8_sp_act_passes``: the same under
       an FP8 recipe with Megatron-SP, where there are no rings (GSPMD gathers the FP8 operands),
       beyond the quantization bytes the planner prices apart (3 × :func:`jaxpar.planner.fp8.
       quant_bytes`, delayed's 2.58 bytes an element): measured on dp 2 × tp 4 + SP ``--fp8
-      delayed`` at 1 and 2 sequences per device (``tp4-fp8``, ``tp4-fp8-2seq``; 2026-12-07,
-      programs that reduced the dp gradient after the backward).
+      delayed`` at 1 and 2 sequences per device (``tp4-fp8``, ``tp4-fp8-2seq``).
     * ``weights``: :class:`WeightBytes` per ZeRO stage, from 1, 2 and 4 micro-batches of one
       sequence per device: ZeRO 0/1 slice each layer's fp32 weights out of the stack and cast
       them, write each weight gradient into the stacked fp32 gradient and add it to the
       accumulator, every micro-batch; ZeRO-3 does it on the gathered bf16 weights and the
       gradient shards. ZeRO-2 takes ZeRO-1's figures (the two compile to the same program at
-      one micro-batch), and a stage whose dp group is one device ZeRO-0's (nothing to shard:
+      one micro-batch), and a stage whose dp group is one device ZeRO-0's (nothing to shard;
       tp 8 + SP at ZeRO-1 over dp 1 measured 66.9 bytes per parameter at one micro-batch,
-      ZeRO-0 over dp 8 66.2). The optimizer update is inside these figures.
+      ZeRO-0 over dp 8 77.6, its per-layer all-reduces' buffers included). Each is what
+      remains of a layer's bytes after ``act_passes``, so the two are refit together. The
+      optimizer update is inside these figures.
     * ``loss_bytes``: bytes per logit of a micro-batch's loss, forward and backward (the
       planner's six fp32 passes: 24).
     * ``tick_passes``, ``split_tick_passes``: a pipeline tick's executor work outside its
@@ -289,13 +290,13 @@ class ProgramBytes:
       measured per action").
     """
 
-    act_passes: float = 5.96
+    act_passes: float = 7.05
     sp_act_passes: float = 15.07
-    fp8_sp_act_passes: float = 10.85
+    fp8_sp_act_passes: float = 10.30
     weights: tuple[tuple[int, WeightBytes], ...] = (
-        (0, WeightBytes(step=16.04, microbatch=50.13, loop=28.58)),
-        (1, WeightBytes(step=5.19, microbatch=50.13, loop=20.58)),
-        (3, WeightBytes(step=0.30, microbatch=18.18, loop=1.40)),
+        (0, WeightBytes(step=33.27, microbatch=44.35, loop=11.34)),
+        (1, WeightBytes(step=5.23, microbatch=44.35, loop=20.54)),
+        (3, WeightBytes(step=0.30, microbatch=12.41, loop=1.40)),
     )
     loss_bytes: float = 24.0
     tick_passes: float = 1.94
