@@ -155,6 +155,50 @@ def test_layout_equals_one_device(name):
         assert gap > 100 * tol
 
 
+def test_zero3_gathers_tensorwise_weights_as_fp8_with_the_same_numbers():
+    """ZeRO-3 under tensorwise scaling gathers each GEMM weight as e4m3 bytes, quantized before
+    the gather with its GEMM's scale (Q, K and V share one; the gate and up projections
+    another) and scaled back after it: the GEMMs quantize the same values, so dp 2 × tp 2 + SP
+    gives the bf16 gather's loss and gradients bit for bit, with half the gathered bytes of
+    those weights (the norm scales are gathered as they were)."""
+    import re
+    from unittest import mock
+
+    def run(fp8_gather: bool):
+        cfg = small_config(dp=2, tp=2, zero=3, fp8="tensorwise", compute_dtype="bfloat16",
+                           sequence_parallel=True)  # fmt: skip
+        groups = fp8.gather_groups if fp8_gather else (lambda paths: None)
+        with mock.patch.object(fp8, "gather_groups", groups):
+            tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[:4]))
+            t = cfg.train
+            rows = Batches(load_corpus("stdlib", 256), t.global_batch, t.seq_len, seed=3)
+            loss, g = tr.grads(tr.init_state(0)["params"], rows.global_array(0, tr.batch_sharding))
+            text = tr.compile_step().as_text()
+        gathers = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(", text)
+        elems = {}
+        for dtype, dims in gathers:
+            elems[dtype] = elems.get(dtype, 0) + int(np.prod([int(d) for d in dims.split(",")]))
+        return float(loss), jax.tree.leaves(g), elems
+
+    loss, g, fp8_elems = run(True)
+    ref_loss, ref, bf16_elems = run(False)
+    assert loss == ref_loss
+    for a, b in zip(g, ref, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a layer's GEMM weights on one tp rank: D·(H + 2·K)·Dh + H·Dh·D + 3·D·F, over tp
+    m = small_config().model
+    dh = m.d_model // m.n_heads
+    gemm = (m.d_model * (m.n_heads + 2 * m.n_kv_heads) * dh + m.n_heads * dh * m.d_model
+            + 3 * m.d_model * m.d_ff) // 2  # fmt: skip
+    assert fp8_elems.get("u8", 0) > 0 and "u8" not in bf16_elems
+    assert fp8_elems["u8"] % gemm == 0  # whole layers' GEMM weights, one byte an element
+    # each of them a byte or more lighter than in the bf16 program (whose gathers XLA:CPU
+    # widens to fp32 on this CPU target: three bytes lighter here)
+    size = {"u8": 1, "f16": 2, "bf16": 2, "f32": 4}
+    wire = [sum(size[t] * n for t, n in e.items()) for e in (fp8_elems, bf16_elems)]
+    assert wire[1] - wire[0] >= fp8_elems["u8"]
+
+
 def test_bf16_ends_run_their_blocks_without_fp8():
     """``layout.fp8_bf16_first/last``: the loss is embed → the first blocks with bf16 GEMMs →
     the middle ones in FP8 → the last ones in bf16 → head, composed here by hand; and it

@@ -112,6 +112,12 @@ def _scale(t: jax.Array, dtype: Any, axes: tuple[int, ...], batch: bool,
     amax = jnp.max(jnp.abs(t), axis=axes, keepdims=True).astype(jnp.float32)
     if batch and (dp := (rows or _batch_axes)()):
         amax = jax.lax.pmax(amax, dp)  # a small all-reduce (max) over dp: the tensor's amax
+    return scale_of(amax, dtype)
+
+
+def scale_of(amax: jax.Array, dtype: Any) -> jax.Array:
+    """The fp32 scale an operand of largest magnitude ``amax`` is quantized to ``dtype`` with:
+    the power of two at or above ``amax / max(dtype)``, 1 where ``amax`` is 0."""
     mant, exp = jnp.frexp(amax / float(jnp.finfo(dtype).max))  # mant in [0.5, 1)
     return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exp - (mant == 0.5)), 1.0)
 
@@ -245,6 +251,61 @@ def _tensordot_bwd(n, recipe, stream, res, dy):
 
 
 _current.defvjp(_tensordot_fwd, _tensordot_bwd)
+
+
+# ---- ZeRO-3: the weights gathered as FP8 ------------------------------------------------
+#
+# A tensorwise GEMM quantizes its whole weight with one power-of-two scale from the weight's
+# amax. ZeRO-3 can take that amax before the gather (each shard's, then a max over the
+# shards), quantize each shard with the scale, gather one byte an element instead of two, and
+# hand the GEMM the gathered values times the scale. Those are exactly representable in bf16
+# and the GEMM quantizes them back to the same e4m3 values (with the scale, or half of it and
+# the values doubled when rounding lowered the largest: the same products), so the numerics
+# are the bf16 gather's. The scale must be the GEMM's: one per GEMM, over every weight the
+# layer concatenates into it (jaxpar.model.layers: Q, K and V; the MLP's gate and up).
+
+# A dense block's weights by GEMM (paths in one layer's parameters).
+GEMM_GROUPS = (
+    (("attn", "wq"), ("attn", "wk"), ("attn", "wv")),
+    (("attn", "wo"),),
+    (("mlp", "w_gate"), ("mlp", "w_up")),
+    (("mlp", "w_down"),),
+)
+
+
+def gather_groups(paths: list[tuple[str, ...]]) -> list[int] | None:
+    """Per leaf path of one layer's parameters, the index of the GEMM whose tensorwise scale it
+    shares (:data:`GEMM_GROUPS`; -1: not a GEMM weight), where the active recipe gathers ZeRO-3
+    weights as FP8; None where it does not: bf16 GEMMs, rowwise (per-row and per-column scales
+    of another layout than a gathered shard's) and delayed scaling (its weight amax goes to the
+    history from the weights the GEMM sees) gather bf16."""
+    recipe = active()
+    if recipe is None or recipe.rowwise or recipe.delayed:
+        return None
+    index = {p: g for g, group in enumerate(GEMM_GROUPS) for p in group}
+    groups = [index.get(tuple(p), -1) for p in paths]
+    return groups if any(g >= 0 for g in groups) else None
+
+
+def quantize_shards(xs: list, groups: list[int], axes: tuple[str, ...]) -> tuple[list, list]:
+    """Each GEMM weight shard of ``xs`` (compute dtype) quantized to e4m3 with its GEMM's
+    tensorwise scale, the amax a max over the shards' (one small all-reduce over ``axes``, a
+    vector of one amax per GEMM); returns the quantized shards (others as they are) and each
+    leaf's scale (1 for the others)."""
+    n = len(GEMM_GROUPS)
+    amax = jnp.zeros((n,), jnp.float32)
+    for x, g in zip(xs, groups, strict=True):
+        if g >= 0:
+            amax = amax.at[g].max(jnp.max(jnp.abs(x)).astype(jnp.float32))
+    if axes:
+        amax = jax.lax.pmax(amax, axes)
+    scales = scale_of(amax, E4M3)
+    out, per_leaf = [], []
+    for x, g in zip(xs, groups, strict=True):
+        s = scales[g] if g >= 0 else jnp.float32(1)
+        out.append(_quantize(x, s, E4M3) if g >= 0 else x)
+        per_leaf.append(s)
+    return out, per_leaf
 
 
 # ---- delayed scaling: scales from the amax of earlier steps ---------------------------------

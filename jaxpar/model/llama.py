@@ -372,14 +372,17 @@ class Model:
         for lo, hi, seg_rules in ((0, first, bf16), (first, n - last, rules), (n - last, n, bf16)):
             if hi > lo:
                 part = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stacked)
-                x_BxSxD, out = self._scan(_under(seg_rules, body), part, x_BxSxD, wrap)
+                x_BxSxD, out = self._scan(body, part, x_BxSxD, wrap, seg_rules)
                 outs.append(out)
         return x_BxSxD, jax.tree.map(lambda *o: jnp.concatenate(o), *outs)
 
-    def _scan(self, body: Callable, stacked: Params, x_BxSxD: jax.Array, wrap) -> tuple:
+    def _scan(self, body: Callable, stacked: Params, x_BxSxD: jax.Array, wrap,
+              rules: Any = None) -> tuple:  # fmt: skip
         """``body`` over the leading axis of ``stacked`` (wrapped), as ``model.layer_unroll``
-        says; returns the carry and the bodies' stacked outputs."""
+        says; returns the carry and the bodies' stacked outputs. ``rules``: the wrapped body
+        traced under them (the wrap too: a ZeRO-3 gather follows the recipe of its layers)."""
         fn = wrap(body) if wrap else body
+        fn = _under(rules, fn) if rules is not None else fn
         n = jax.tree.leaves(stacked)[0].shape[0]
         unroll = self.loop_unroll(n, wrap is not None)
         if unroll is None:

@@ -269,7 +269,16 @@ def dp_terms(model, hw, lay, shape, lt: LayerTime, ex: Executor) -> list[CommTer
     f_layer = lt.forward
     b_layer = lt.backward + lt.backward_comm + (f_layer if lay.remat == "full" else lt.recompute)
     if lay.zero == 3:
-        out = _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex)
+        wg = F8.zero3_gather_bytes(model, lay, DTYPE_BYTES[lay.compute_dtype])
+        out = _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex, wg)
+        if wg < DTYPE_BYTES[lay.compute_dtype]:
+            from jaxpar.model.fp8 import GEMM_GROUPS as F8_GEMMS
+
+            # each FP8 gather's scales, a max over the weight's shards first: on its path
+            size = lay.dp * lay.tp * lay.sp
+            wire = 2 * F8.SCALE_BYTES * len(F8_GEMMS) * T.ring_factor(size)
+            out.append(_term(hw, "FP8 weight scales all-reduce (max)", "all-reduce", wire,
+                             2 * m * layers, size, 1, 0.0))  # fmt: skip
     else:
         out = _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex)
     groups = lay.dp // n
@@ -303,13 +312,15 @@ def _zero3_groups(hw, lt: LayerTime, wire: float, n: int, stride: int, f_layer: 
     return groups
 
 
-def _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex) -> list[CommTerm]:
+def _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex,
+                 wg: float) -> list[CommTerm]:  # fmt: skip
     """ZeRO-3: per layer per pass, prefetched behind the neighbouring compute (module
-    docstring; jaxpar on a GPU: :mod:`jaxpar.planner.zero3`)."""
+    docstring; jaxpar on a GPU: :mod:`jaxpar.planner.zero3`); the layers' weights gathered at
+    ``wg`` bytes an element (:func:`jaxpar.planner.fp8.zero3_gather_bytes`)."""
     r = T.ring_factor(n)
     wr, wc = DTYPE_BYTES[lay.reduce_dtype], DTYPE_BYTES[lay.compute_dtype]
     per_layer = pc.blocks / layers
-    ag = call_time(hw, "all-gather", per_layer * r * wc, n, stride)
+    ag = call_time(hw, "all-gather", per_layer * r * wg, n, stride)
     rs = call_time(hw, "reduce-scatter", per_layer * r * wr, n, stride)
     pair = ag.seconds + rs.seconds  # backward: regather and reduce-scatter behind the layer's
     total = layers * (ag.seconds + pair)
@@ -320,7 +331,7 @@ def _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex) ->
     # which neither pricing describes (BENCHMARKS.md): the share stays there
     if ex.zero3_stream and ex.overlap_dp and lt.weight_groups and lay.remat != "full":
         # each weight group's gather one kernel ahead of its consumer, one stream
-        groups = _zero3_groups(hw, lt, per_layer * r * wc, n, stride, f_layer, b_layer)
+        groups = _zero3_groups(hw, lt, per_layer * r * wg, n, stride, f_layer, b_layer)
         behind = "the kernel before each weight group's consumer (one stream)"
         fwd_exposed, bwd_exposed = Z3.exposed(groups, layers, rs.seconds, lt.chunks)
         total = layers * (2 * sum(g.gather_s for g in groups) + rs.seconds)
@@ -333,7 +344,7 @@ def _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex) ->
     link = _link(hw, stride, n)
     algo = f"{ag.algorithm}/{ag.protocol}"
     out = [CommTerm("dp_comm", "ZeRO-3 per-layer all-gather ×2 + reduce-scatter",
-                    m * layers * per_layer * r * (2 * wc + wr), m * layers * calls, m * total,
+                    m * layers * per_layer * r * (2 * wg + wr), m * layers * calls, m * total,
                     m * layers * (2 * ag.latency_s + rs.latency_s),
                     m * (total - fwd_exposed - bwd_exposed), link, algo, behind)]  # fmt: skip
     embed = _tables(pc, lay)

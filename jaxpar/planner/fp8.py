@@ -68,6 +68,17 @@ def gather_bytes(lay: LayoutConfig, compute_bytes: float) -> float:
     return 1.0 if on(lay) else compute_bytes
 
 
+def zero3_gather_bytes(model: ModelConfig, lay: LayoutConfig, compute_bytes: float) -> float:
+    """Bytes per element of ZeRO-3's per-layer weight all-gathers: a dense model under
+    tensorwise scaling gathers its FP8 blocks' GEMM weights as e4m3, one byte
+    (:mod:`jaxpar.model.fp8`, ``GEMM_GROUPS``; the norm scales, a few thousandths of a
+    block, are counted with them); other recipes, the bf16 end blocks and a MoE model's
+    groups gather the compute dtype."""
+    if lay.fp8 != "tensorwise" or model.moe.enabled:
+        return compute_bytes
+    return compute_bytes - (compute_bytes - 1.0) * share(model, lay)
+
+
 def quant_bytes(model: ModelConfig, lay: LayoutConfig, tokens: float) -> float:
     """HBM bytes one layer's forward moves quantizing its GEMM operands for one micro-batch
     on one device (``tokens``: the micro-batch's local tokens, before Megatron-SP's split),

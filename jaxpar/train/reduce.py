@@ -69,6 +69,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import sharding as shd
 from jaxpar.config import LayoutConfig
+from jaxpar.model import fp8
 from jaxpar.model.names import weight
 
 # What each stage compiles to (the run summary's ``layout.dp_reduction``).
@@ -210,10 +211,16 @@ class DPReduction:
             return tree
         dims = jax.tree.map(lambda d: d if d < 0 else d - shift, dims)
         local = jax.tree.map(lambda s: P(*list(s)[shift:]), specs, is_leaf=_is_p)
+        groups = _fp8_groups(tree, dims)  # a tensorwise recipe's GEMM weights: gathered as FP8
 
         def gathered(t):
             n, cd, rd = self.sizes[self.axis], self.compute_dtype, self.reduce_dtype
-            t = _on_sharded(lambda xs, ds: _gather_leaves(self.axis, n, xs, ds, cd, rd), t, dims)
+            if groups is None:
+                t = _on_sharded(lambda xs, ds: _gather_leaves(self.axis, n, xs, ds, cd, rd), t,
+                                dims)  # fmt: skip
+            else:
+                t = _on_sharded(lambda xs, ds, gs: _gather_fp8(self.axis, n, xs, ds, gs, cd, rd),
+                                t, dims, groups)  # fmt: skip
             # Tagged inside the nested region too: remat policies see the region's values.
             return jax.tree.map(lambda x: weight(x.astype(cd)), t)
 
@@ -396,16 +403,93 @@ def _drop_axes(spec: P, axes: set[str]) -> P:
     return P(*parts)
 
 
-def _on_sharded(fn: Callable, tree: Any, dims: Any) -> Any:
-    """``tree`` with its leaves of ``dims >= 0`` replaced by ``fn(those leaves, their dims)``,
-    one call for all of them (the packed collectives)."""
+def _on_sharded(fn: Callable, tree: Any, dims: Any, extra: list | None = None) -> Any:
+    """``tree`` with its leaves of ``dims >= 0`` replaced by ``fn(those leaves, their dims)``
+    (and their items of ``extra``, a list over every leaf, where given), one call for all of
+    them (the packed collectives)."""
     xs, tdef = jax.tree.flatten(tree)
     ds = tdef.flatten_up_to(dims)
     idx = [i for i, d in enumerate(ds) if d >= 0]
     if idx:
-        for i, y in zip(idx, fn([xs[i] for i in idx], [ds[i] for i in idx]), strict=True):
+        args = [[xs[i] for i in idx], [ds[i] for i in idx]]
+        if extra is not None:
+            args.append([extra[i] for i in idx])
+        for i, y in zip(idx, fn(*args), strict=True):
             xs[i] = y
     return jax.tree.unflatten(tdef, xs)
+
+
+def _fp8_groups(tree: Any, dims: Any) -> list[int] | None:
+    """Per leaf of ``tree`` (one layer's parameters), the GEMM whose tensorwise scale it shares
+    where the active recipe gathers ZeRO-3 weights as FP8 (:func:`jaxpar.model.fp8.
+    gather_groups`), else None; None too where a GEMM weight is not sharded (its amax would be
+    missing from the shards')."""
+    paths, tdef = jax.tree_util.tree_flatten_with_path(tree)
+    keys = [tuple(getattr(k, "key", str(k)) for k in path) for path, _ in paths]
+    groups = fp8.gather_groups(keys)
+    if groups is None:
+        return None
+    ds = tdef.flatten_up_to(dims)
+    return None if any(g >= 0 and d < 0 for g, d in zip(groups, ds, strict=True)) else groups
+
+
+def _gather_bytes(axis: str, xs: list, dims: list) -> list:
+    """The shards ``xs`` all-gathered along their ``dims`` as they are (FP8 as bytes): packed
+    into one all-gather per dtype, or one each (:func:`packed_collectives`)."""
+
+    def one(part: list, ds: list) -> list:
+        dtypes = [x.dtype for x in part]
+        raw = [jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype.itemsize == 1 else x
+               for x in part]  # fmt: skip
+        n = jax.lax.axis_size(axis)
+        full = [(*x.shape[:d], x.shape[d] * n, *x.shape[d + 1 :])
+                for x, d in zip(raw, ds, strict=True)]  # fmt: skip
+        flat = jax.lax.all_gather(_rows(raw, ds, 1, raw[0].dtype)[0], axis)
+        out = _unrows(flat, full, ds, [x.dtype for x in raw])
+        return [jax.lax.bitcast_convert_type(y, t) if t != y.dtype else y
+                for y, t in zip(out, dtypes, strict=True)]  # fmt: skip
+
+    if not packed_collectives():
+        return [one([x], [d])[0] for x, d in zip(xs, dims, strict=True)]
+    out: list = [None] * len(xs)
+    for dtype in sorted({x.dtype for x in xs}, key=str):  # one buffer per dtype (e4m3, bf16)
+        idx = [i for i, x in enumerate(xs) if x.dtype == dtype]
+        for i, y in zip(idx, one([xs[i] for i in idx], [dims[i] for i in idx]), strict=True):
+            out[i] = y
+    return out
+
+
+def _gather_fp8(axis: str, n: int, xs: list, dims: list, groups: list, compute_dtype,
+                reduce_dtype) -> list:  # fmt: skip
+    """:func:`_gather_leaves` with the GEMM weights (``groups`` >= 0) quantized to e4m3 with
+    their GEMM's tensorwise scale before the all-gather and scaled back after it (one byte an
+    element on the wire; the GEMM quantizes them to the same values, :mod:`jaxpar.model.fp8`);
+    the VJP is the same reduce-scatter of the cotangents in ``reduce_dtype``. One custom VJP
+    around the whole, so the remat policies see a gather (re-run, never saved)."""
+    dtypes = [x.dtype for x in xs]
+    mesh = jax.sharding.get_abstract_mesh()
+    # the GEMM's amax is over the whole weight: every axis a shard is split over (the ZeRO
+    # axis, tp) but pp, whose ranks hold other layers
+    axes = tuple(a for a in mesh.axis_names if a != "pp" and mesh.shape[a] > 1)
+
+    @jax.custom_vjp
+    def gather(xs):
+        q, scales = fp8.quantize_shards([x.astype(compute_dtype) for x in xs], groups, axes)
+        full = _gather_bytes(axis, q, dims)
+        return [y if g < 0 else (y.astype(jnp.float32) * s).astype(compute_dtype)
+                for y, s, g in zip(full, scales, groups, strict=True)]  # fmt: skip
+
+    def fwd(xs):
+        return gather(xs), None
+
+    def bwd(_, gs):
+        if packed_collectives():
+            return (_packed_scatter(axis, n, gs, dims, reduce_dtype, dtypes),)
+        return ([_packed_scatter(axis, n, [g], [d], reduce_dtype, [t])[0]
+                 for g, d, t in zip(gs, dims, dtypes, strict=True)],)  # fmt: skip
+
+    gather.defvjp(fwd, bwd)
+    return gather(xs)
 
 
 def _rows(xs: list, dims: list, n: int, dtype: Any) -> jax.Array:
