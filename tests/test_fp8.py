@@ -109,8 +109,9 @@ CASES = {
     "tensorwise_dp2_zero3_selective_bf16_ends": ("tensorwise", dict(dp=2, zero=3,
         remat="selective", fp8_bf16_first=1, fp8_bf16_last=1), 1e-5),
     "tensorwise_tp2_sp": ("tensorwise", dict(tp=2, sequence_parallel=True), 2e-2),
-    "tensorwise_dp2_pp2_zbh1_m2": ("tensorwise", dict(dp=2, pp=2, microbatches=2,
-                                                  schedule="zb-h1"), 1e-5),
+    # (ZeRO-3 in the stages: the GEMM weights gathered as FP8, then split into I and W)
+    "tensorwise_dp2_pp2_zbh1_m2_zero3": ("tensorwise", dict(dp=2, pp=2, microbatches=2, zero=3,
+                                                        schedule="zb-h1"), 1e-5),
     "rowwise_dp2_tp2_pp2_zero3_m2": ("rowwise", dict(dp=2, tp=2, pp=2, zero=3, microbatches=2),
                                      2e-2),
     # sequence parallelism: Ulysses' all-to-alls move no sum; the ring's online softmax adds
