@@ -223,8 +223,8 @@ RING_HIDDEN = 0.68
 # program of another shape than the rows it is checked on: llama3-8b's layer shape, dp 2 x tp 4
 # + SP, --fp8 delayed, h100-8, 2 and 4 layers; one layer's tp collective seconds (comm_s["tp"],
 # scale all-reduces included) and their exposed part (exposed_s["tp"]), each the difference
-# over two layers of the simulated programs: hidden = 1 - exposed / comm (0.74 on the programs
-# before 6581ea4, 0.67 since).
+# over two layers of the simulated programs: hidden = 1 - exposed / comm, on programs that
+# reduce each layer's dp gradient in the backward (BENCHMARKS.md, "PROGRAM_BYTES refit").
 FP8_TP_HIDDEN = 0.67
 
 
@@ -252,9 +252,8 @@ class ProgramBytes:
     (:mod:`jaxpar.gpu.timing`), the compute stream's memory-bound kernels summed, one layer's
     bytes the difference over two. Not fitted to the grid of ``scripts/bench_gpu_grid.py``
     (whose llama3-8b rows share this layer shape: they are not independent checks of it).
-    Every figure is from the programs as they compile since 6581ea4, where ZeRO 0-2 reduce each
-    layer's gradient in the backward (refit 2026-12-07, BENCHMARKS.md "PROGRAM_BYTES refit";
-    before: ``act_passes`` 5.96, measured on programs that reduced after the backward).
+    Every figure is from programs where ZeRO 0-2 reduce each layer's gradient in the backward
+    (BENCHMARKS.md, "PROGRAM_BYTES refit", which gives the figures measured before it).
 
     * ``act_passes``: a layer's bytes that grow with its micro-batch's tokens, forward and
       backward, in units of its saved activations (``block_residuals``): 7.05 measured (1 and 2
