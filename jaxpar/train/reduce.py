@@ -433,15 +433,15 @@ def _fp8_groups(tree: Any, dims: Any) -> list[int] | None:
     return None if any(g >= 0 and d < 0 for g, d in zip(groups, ds, strict=True)) else groups
 
 
-def _gather_bytes(axis: str, xs: list, dims: list) -> list:
-    """The shards ``xs`` all-gathered along their ``dims`` as they are (FP8 as bytes): packed
-    into one all-gather per dtype, or one each (:func:`packed_collectives`)."""
+def _gather_bytes(axis: str, n: int, xs: list, dims: list) -> list:
+    """The shards ``xs`` all-gathered over ``axis`` (``n`` ranks) along their ``dims`` as they
+    are (FP8 as bytes): packed into one all-gather per dtype, or one each
+    (:func:`packed_collectives`)."""
 
     def one(part: list, ds: list) -> list:
         dtypes = [x.dtype for x in part]
         raw = [jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype.itemsize == 1 else x
                for x in part]  # fmt: skip
-        n = jax.lax.axis_size(axis)
         full = [(*x.shape[:d], x.shape[d] * n, *x.shape[d + 1 :])
                 for x, d in zip(raw, ds, strict=True)]  # fmt: skip
         flat = jax.lax.all_gather(_rows(raw, ds, 1, raw[0].dtype)[0], axis)
@@ -475,7 +475,7 @@ def _gather_fp8(axis: str, n: int, xs: list, dims: list, groups: list, compute_d
     @jax.custom_vjp
     def gather(xs):
         q, scales = fp8.quantize_shards([x.astype(compute_dtype) for x in xs], groups, axes)
-        full = _gather_bytes(axis, q, dims)
+        full = _gather_bytes(axis, n, q, dims)
         return [y if g < 0 else (y.astype(jnp.float32) * s).astype(compute_dtype)
                 for y, s, g in zip(full, scales, groups, strict=True)]  # fmt: skip
 
@@ -563,15 +563,11 @@ def _packed_gather(axis: str, n: int, xs: list, dims: list, compute_dtype, reduc
     ``compute_dtype``; its VJP is one reduce-scatter of the cotangents in ``reduce_dtype``,
     returned in the shards' dtypes. The packing happens inside the ``custom_vjp``, so the
     remat policies see one gather whose outputs are whole weights (never saved)."""
-    full = [
-        (*x.shape[:d], x.shape[d] * n, *x.shape[d + 1 :]) for x, d in zip(xs, dims, strict=True)
-    ]
     dtypes = [x.dtype for x in xs]
 
     @jax.custom_vjp
     def gather(xs):
-        flat = _rows(xs, dims, 1, compute_dtype)[0]
-        return _unrows(jax.lax.all_gather(flat, axis), full, dims, [compute_dtype] * len(xs))
+        return _gather_bytes(axis, n, [x.astype(compute_dtype) for x in xs], dims)
 
     def fwd(xs):
         return gather(xs), None
