@@ -29,20 +29,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from bench_gpu_grid import ROWS  # noqa: E402
 
-# Simulated step (s) per row: BENCHMARKS.md, grid at cb6b2e3 (2026-12-07).
+# Simulated step (s) per row: BENCHMARKS.md, grid at cb6b2e3 (2026-12-07); the rows with
+# Megatron-SP's rings again with two collectives in flight ("Two collectives in flight for
+# Megatron-SP's rings", 2026-12-07).
 RECORDED = {
-    "70b-production": 9.643,
-    "70b-pick": 10.133,
-    "70b-planner": 11.108,
-    "70b-planner-1mb": 11.016,
+    "70b-production": 9.638,
+    "70b-pick": 9.907,
+    "70b-planner": 11.143,
+    "70b-planner-1mb": 11.015,
     "70b-dp64-zero3": 9.589,
-    "70b-rule-of-thumb": 10.315,
+    "70b-rule-of-thumb": 10.304,
     # 6581ea4 (each layer's gradient reduced in the backward): these three rows again
     "8b-ddp": 0.817,
     "8b-zero1": 0.543,
     "8b-zero2": 0.543,
     "8b-zero3": 0.383,
-    "8b-tp8-sp": 0.513,
+    "8b-tp8-sp": 0.491,
     "8b-pp2-tp4": 0.623,
     "8b-ulysses-sp8": 0.705,
     "moe-mixtral-ep1": 9.692,

@@ -240,19 +240,26 @@ def test_zero3_layer_collectives_run_beside_matmuls(tmp_path):
         assert it.asynchronous and not it.sync and it.flops_between > 0, it
 
 
-def test_pipelined_all_gather_only_under_zero3():
-    """The mesh files' pipelined all-gather serves ZeRO-3's weight gathers; other layouts start
-    XLA without it (jaxpar.distributed.run_xla_flags)."""
+def test_layout_flags_go_with_their_layouts():
+    """The mesh files' pipelined all-gather serves ZeRO-3's weight gathers, two collectives in
+    flight the collective matmul's backward (tp > 1 + SP, bf16 GEMMs); other layouts start XLA
+    without them (jaxpar.distributed.run_xla_flags)."""
     from jaxpar.distributed import run_xla_flags
 
-    hw = C.load_mesh("h100-8").hardware
-    flag = "--xla_gpu_enable_pipelined_all_gather=true"
-    assert flag in hw.xla_flags
+    mesh = C.load_mesh("h100-8")
+    hw = mesh.hardware
+    gather = "--xla_gpu_enable_pipelined_all_gather=true"
+    overlap = "--xla_gpu_experimental_parallel_collective_overlap_limit=2"
+    assert {gather, overlap} <= set(hw.xla_flags)
     for zero in (0, 1, 2, 3):
-        lay = dataclasses.replace(C.load_mesh("h100-8").layout, zero=zero)
-        got = run_xla_flags(hw, lay)
-        assert (flag in got) == (zero == 3)
-        assert set(hw.xla_flags) - set(got) <= {flag}
+        for tp, sp, recipe in ((1, False, "none"), (8, False, "none"), (8, True, "none"),
+                               (8, True, "tensorwise")):  # fmt: skip
+            lay = dataclasses.replace(mesh.layout, zero=zero, tp=tp, sequence_parallel=sp,
+                                      fp8=recipe)  # fmt: skip
+            got = run_xla_flags(hw, lay)
+            assert (gather in got) == (zero == 3)
+            assert (overlap in got) == (tp > 1 and sp and recipe == "none")
+            assert set(hw.xla_flags) - set(got) <= {gather, overlap}
     assert run_xla_flags(hw) == list(hw.xla_flags)
 
 
