@@ -78,24 +78,30 @@ def test_bf16_end_blocks_are_a_share_of_bf16_gemms():
     )
 
 
-def test_zero3_gathers_fp8_weights_under_tensorwise_only():
-    """Tensorwise ZeRO-3 gathers its FP8 blocks' GEMM weights as one byte an element (the
-    compiled llama3-8b dp 8 program: 39.3 GiB of dp wire bytes, the planner's to 1e-6,
-    BENCHMARKS.md); the other recipes, the bf16 end blocks and MoE groups gather bf16, and
-    the scale all-reduce before each gather is priced on its path."""
+def test_zero3_gathers_fp8_weights_under_current_and_delayed_scaling():
+    """Tensorwise and delayed ZeRO-3 gather their FP8 blocks' GEMM weights as one byte an
+    element (the compiled llama3-8b dp 8 programs: 39.3 GiB of dp wire bytes each, the
+    planner's to 1e-6, BENCHMARKS.md); rowwise, the bf16 end blocks and MoE groups gather
+    bf16. Tensorwise's scale all-reduce before each gather is priced on its path; delayed
+    quantizes with its histories' scales and only records the weights' amax, behind the
+    layers' compute."""
     model, hw, lay, shape = _setup(dp=8, tp=1, zero=3, sequence_parallel=False, fp8="tensorwise")
-    assert F8.zero3_gather_bytes(model, lay, 2.0) == 1.0
-    for other in ("delayed", "rowwise", "none"):
-        assert F8.zero3_gather_bytes(model, dataclasses.replace(lay, fp8=other), 2.0) == 2.0
+    for recipe, want in (("tensorwise", 1.0), ("delayed", 1.0), ("rowwise", 2.0), ("none", 2.0)):
+        assert F8.zero3_gather_bytes(model, dataclasses.replace(lay, fp8=recipe), 2.0) == want
     ends = dataclasses.replace(lay, fp8_bf16_first=4, fp8_bf16_last=4)  # 24 of 32 in FP8
     assert F8.zero3_gather_bytes(model, ends, 2.0) == pytest.approx(2.0 - 24 / 32)
     moe = C.load_model("mixtral-8x7b")
     assert F8.zero3_gather_bytes(moe, lay, 2.0) == 2.0
-    cost = evaluate(model, hw, lay, shape).cost
-    wire = {c.name + c.label: c.bytes for c in cost.comm if c.name == "dp_comm"}
-    delayed = evaluate(model, hw, dataclasses.replace(lay, fp8="delayed"), shape).cost
-    wire_d = {c.name + c.label: c.bytes for c in delayed.comm if c.name == "dp_comm"}
-    key = "dp_commZeRO-3 per-layer all-gather ×2 + reduce-scatter"
-    assert wire[key] < wire_d[key]
-    assert any("FP8 weight scales" in k for k in wire)
-    assert not any("FP8 weight" in k for k in wire_d)
+
+    def dp_terms(recipe):
+        cost = evaluate(model, hw, dataclasses.replace(lay, fp8=recipe), shape).cost
+        return {c.label: c for c in cost.comm if c.name == "dp_comm"}
+
+    tw, dl, rw = dp_terms("tensorwise"), dp_terms("delayed"), dp_terms("rowwise")
+    key = "ZeRO-3 per-layer all-gather ×2 + reduce-scatter"
+    assert tw[key].bytes == dl[key].bytes < rw[key].bytes
+    scales = tw["FP8 weight scales all-reduce (max)"]
+    assert scales.seconds > 0 and scales.exposed_s == pytest.approx(scales.seconds)  # waited on
+    recorded = dl["FP8 weight amax all-reduce (max, recorded)"]
+    assert recorded.seconds > 0 and recorded.exposed_s == 0  # off the GEMMs' path
+    assert not any("FP8 weight" in k for k in rw)

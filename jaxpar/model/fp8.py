@@ -263,6 +263,14 @@ _current.defvjp(_tensordot_fwd, _tensordot_bwd)
 # the values doubled when rounding lowered the largest: the same products), so the numerics
 # are the bf16 gather's. The scale must be the GEMM's: one per GEMM, over every weight the
 # layer concatenates into it (jaxpar.model.layers: Q, K and V; the MLP's gate and up).
+#
+# A delayed GEMM's weight scale comes from its history, which every rank holds whole: the
+# shards are quantized with it and no amax is on the gather's path. But the history records
+# the scale the weight *needed*, and the gathered values (clipped at the history's scale,
+# rounded) may need a smaller one than the weight: the gather takes the weight's amax from
+# the shards (one small all-reduce, off the GEMM's path) and its VJP writes that record into
+# the history's cotangent in place of the one the GEMM took from the gathered values, so the
+# history is one device's.
 
 # A dense block's weights by GEMM (paths in one layer's parameters).
 GEMM_GROUPS = (
@@ -271,41 +279,73 @@ GEMM_GROUPS = (
     (("mlp", "w_gate"), ("mlp", "w_up")),
     (("mlp", "w_down"),),
 )
+# Each GEMM's amax history under a delayed recipe (jaxpar.model.layers: ``fp8_<name>``).
+GEMM_HISTORIES = (("attn", "fp8_qkv"), ("attn", "fp8_out"), ("mlp", "fp8_up"), ("mlp", "fp8_down"))
 
 
 def gather_groups(paths: list[tuple[str, ...]]) -> list[int] | None:
-    """Per leaf path of one layer's parameters, the index of the GEMM whose tensorwise scale it
-    shares (:data:`GEMM_GROUPS`; -1: not a GEMM weight), where the active recipe gathers ZeRO-3
-    weights as FP8; None where it does not: bf16 GEMMs, rowwise (per-row and per-column scales
-    of another layout than a gathered shard's) and delayed scaling (its weight amax goes to the
-    history from the weights the GEMM sees) gather bf16."""
+    """Per leaf path of one layer's parameters, the index of the GEMM whose scale it shares
+    (:data:`GEMM_GROUPS`; -1: not a GEMM weight), where the active recipe gathers ZeRO-3 weights
+    as FP8; None where it does not: bf16 GEMMs, rowwise (per-row and per-column scales of
+    another layout than a gathered shard's), and a delayed recipe whose GEMM's history is not
+    among ``paths``."""
     recipe = active()
-    if recipe is None or recipe.rowwise or recipe.delayed:
+    if recipe is None or recipe.rowwise:
         return None
     index = {p: g for g, group in enumerate(GEMM_GROUPS) for p in group}
     groups = [index.get(tuple(p), -1) for p in paths]
+    if recipe.delayed:
+        have = {tuple(p) for p in paths}
+        if any(GEMM_HISTORIES[g] not in have for g in set(groups) if g >= 0):
+            return None
     return groups if any(g >= 0 for g in groups) else None
 
 
-def quantize_shards(xs: list, groups: list[int], axes: tuple[str, ...]) -> tuple[list, list]:
-    """Each GEMM weight shard of ``xs`` (compute dtype) quantized to e4m3 with its GEMM's
-    tensorwise scale, the amax a max over the shards' (one small all-reduce over ``axes``, a
-    vector of one amax per GEMM); returns the quantized shards (others as they are) and each
-    leaf's scale (1 for the others)."""
-    n = len(GEMM_GROUPS)
-    amax = jnp.zeros((n,), jnp.float32)
+def history_groups(paths: list[tuple[str, ...]]) -> list[int]:
+    """Per leaf path of one layer's parameters, the GEMM whose amax history it is
+    (:data:`GEMM_HISTORIES`), else -1."""
+    index = {p: g for g, p in enumerate(GEMM_HISTORIES)}
+    return [index.get(tuple(p), -1) for p in paths]
+
+
+def _shard_amax(xs: list, groups: list[int], axes: tuple[str, ...]) -> jax.Array:
+    """Each GEMM's weight amax ``[len(GEMM_GROUPS)]`` from its shards among ``xs``: a max over
+    the shards (one small all-reduce over ``axes``)."""
+    amax = jnp.zeros((len(GEMM_GROUPS),), jnp.float32)
     for x, g in zip(xs, groups, strict=True):
         if g >= 0:
             amax = amax.at[g].max(jnp.max(jnp.abs(x)).astype(jnp.float32))
-    if axes:
-        amax = jax.lax.pmax(amax, axes)
-    scales = scale_of(amax, E4M3)
+    return jax.lax.pmax(amax, axes) if axes else amax
+
+
+def quantize_shards(xs: list, groups: list[int], axes: tuple[str, ...],
+                    scales: jax.Array | None = None) -> tuple[list, list]:  # fmt: skip
+    """Each GEMM weight shard of ``xs`` (compute dtype) quantized to e4m3 with its GEMM's scale:
+    ``scales`` ``[len(GEMM_GROUPS)]`` where given (a delayed recipe's, from the histories), else
+    tensorwise from the amax over the shards (:func:`_shard_amax`). Returns the quantized shards
+    (others as they are) and each leaf's scale (1 for the others)."""
+    if scales is None:
+        scales = scale_of(_shard_amax(xs, groups, axes), E4M3)
     out, per_leaf = [], []
     for x, g in zip(xs, groups, strict=True):
         s = scales[g] if g >= 0 else jnp.float32(1)
         out.append(_quantize(x, s, E4M3) if g >= 0 else x)
         per_leaf.append(s)
     return out, per_leaf
+
+
+def history_scales(hists: list, history: int) -> jax.Array:
+    """The weight scale ``[len(GEMM_GROUPS)]`` each delayed GEMM quantizes with, from its
+    history ``hists[g]`` (None: 1, no GEMM there)."""
+    return jnp.stack([jnp.float32(1) if h is None else _hist_scale(h[1], history)
+                      for h in hists])  # fmt: skip
+
+
+def weight_records(xs: list, groups: list[int], axes: tuple[str, ...]) -> jax.Array:
+    """``[len(GEMM_GROUPS), BUCKETS]``: each GEMM's weight record for its history (the one-hot
+    of the scale the whole weight needs, as :func:`_delayed_bwd` takes it), from the shards."""
+    b, ok = _bucket(_shard_amax(xs, groups, axes), E4M3)
+    return jax.nn.one_hot(b, BUCKETS, dtype=jnp.float32) * ok[:, None]
 
 
 # ---- delayed scaling: scales from the amax of earlier steps ---------------------------------
@@ -344,7 +384,11 @@ def _needed(t: jax.Array, dtype: Any, per: float = 1.0, axes: tuple[int, ...] | 
             ) -> jax.Array:  # fmt: skip
     """The bucket (exponent - K_LO) of the power-of-two scale current scaling gives ``t / per``
     (reduced over ``axes``, default all), and whether it has one (a finite, nonzero amax)."""
-    amax = jnp.max(jnp.abs(t), axis=axes).astype(jnp.float32) / per
+    return _bucket(jnp.max(jnp.abs(t), axis=axes).astype(jnp.float32) / per, dtype)
+
+
+def _bucket(amax: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """:func:`_needed` of an amax."""
     mant, exp = jnp.frexp(amax / float(jnp.finfo(dtype).max))
     b = jnp.clip(exp - (mant == 0.5).astype(exp.dtype) - K_LO, 0, BUCKETS - 1)
     return b, (amax > 0) & jnp.isfinite(amax)

@@ -274,11 +274,18 @@ def dp_terms(model, hw, lay, shape, lt: LayerTime, ex: Executor) -> list[CommTer
         if wg < DTYPE_BYTES[lay.compute_dtype]:
             from jaxpar.model.fp8 import GEMM_GROUPS as F8_GEMMS
 
-            # each FP8 gather's scales, a max over the weight's shards first: on its path
+            # each FP8 gather's weight amaxes, a max over the weight's shards: tensorwise
+            # quantizes with them (on the gather's path); delayed quantizes with its history's
+            # scales and only records them (off the path, behind the layers' compute)
             size = lay.dp * lay.tp * lay.sp
             wire = 2 * F8.SCALE_BYTES * len(F8_GEMMS) * T.ring_factor(size)
-            out.append(_term(hw, "FP8 weight scales all-reduce (max)", "all-reduce", wire,
-                             2 * m * layers, size, 1, 0.0))  # fmt: skip
+            if lay.fp8 == "delayed":
+                out.append(_term(hw, "FP8 weight amax all-reduce (max, recorded)", "all-reduce",
+                                 wire, 2 * m * layers, size, 1, m * layers * (f_layer + b_layer),
+                                 last_exposed=False))  # fmt: skip
+            else:
+                out.append(_term(hw, "FP8 weight scales all-reduce (max)", "all-reduce", wire,
+                                 2 * m * layers, size, 1, 0.0))  # fmt: skip
     else:
         out = _bucketed_terms(hw, lay, pc, n, stride, layers, m, f_layer, b_layer, ex)
     groups = lay.dp // n

@@ -70,13 +70,13 @@ def gather_bytes(lay: LayoutConfig, compute_bytes: float) -> float:
 
 def zero3_gather_bytes(model: ModelConfig, lay: LayoutConfig, compute_bytes: float) -> float:
     """Bytes per element of ZeRO-3's per-layer weight all-gathers: a dense model under
-    tensorwise scaling gathers its FP8 blocks' GEMM weights as e4m3, one byte
+    tensorwise or delayed scaling gathers its FP8 blocks' GEMM weights as e4m3, one byte
     (:mod:`jaxpar.model.fp8`, ``GEMM_GROUPS``; the norm scales, a few thousandths of a
-    block, are counted with them); other recipes, the bf16 end blocks and a MoE model's
-    groups gather the compute dtype. A MoE model is priced at the compute dtype throughout,
-    though its dense prefix blocks (``moe.first_dense``) do gather FP8: a few blocks' gathers
-    priced high."""
-    if lay.fp8 != "tensorwise" or model.moe.enabled:
+    block, are counted with them); rowwise, the bf16 end blocks and a MoE model's groups
+    gather the compute dtype. A MoE model is priced at the compute dtype throughout, though
+    its dense prefix blocks (``moe.first_dense``) do gather FP8: a few blocks' gathers priced
+    high."""
+    if lay.fp8 not in ("tensorwise", "delayed") or model.moe.enabled:
         return compute_bytes
     return compute_bytes - (compute_bytes - 1.0) * share(model, lay)
 

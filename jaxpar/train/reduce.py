@@ -211,7 +211,7 @@ class DPReduction:
             return tree
         dims = jax.tree.map(lambda d: d if d < 0 else d - shift, dims)
         local = jax.tree.map(lambda s: P(*list(s)[shift:]), specs, is_leaf=_is_p)
-        groups = _fp8_groups(tree, dims)  # a tensorwise recipe's GEMM weights: gathered as FP8
+        groups = _fp8_groups(tree, dims)  # GEMM weights gathered as FP8 (tensorwise, delayed)
 
         def gathered(t):
             n, cd, rd = self.sizes[self.axis], self.compute_dtype, self.reduce_dtype
@@ -219,8 +219,7 @@ class DPReduction:
                 t = _on_sharded(lambda xs, ds: _gather_leaves(self.axis, n, xs, ds, cd, rd), t,
                                 dims)  # fmt: skip
             else:
-                t = _on_sharded(lambda xs, ds, gs: _gather_fp8(self.axis, n, xs, ds, gs, cd, rd),
-                                t, dims, groups)  # fmt: skip
+                t = _gather_fp8(self.axis, n, t, dims, groups, cd, rd)
             # Tagged inside the nested region too: remat policies see the region's values.
             return jax.tree.map(lambda x: weight(x.astype(cd)), t)
 
@@ -420,17 +419,21 @@ def _on_sharded(fn: Callable, tree: Any, dims: Any, extra: list | None = None) -
 
 
 def _fp8_groups(tree: Any, dims: Any) -> list[int] | None:
-    """Per leaf of ``tree`` (one layer's parameters), the GEMM whose tensorwise scale it shares
-    where the active recipe gathers ZeRO-3 weights as FP8 (:func:`jaxpar.model.fp8.
-    gather_groups`), else None; None too where a GEMM weight is not sharded (its amax would be
-    missing from the shards')."""
-    paths, tdef = jax.tree_util.tree_flatten_with_path(tree)
-    keys = [tuple(getattr(k, "key", str(k)) for k in path) for path, _ in paths]
-    groups = fp8.gather_groups(keys)
+    """Per leaf of ``tree`` (one layer's parameters), the GEMM whose scale it shares where the
+    active recipe gathers ZeRO-3 weights as FP8 (:func:`jaxpar.model.fp8.gather_groups`), else
+    None; None too where a GEMM weight is not sharded (its amax would be missing from the
+    shards')."""
+    groups = fp8.gather_groups(_leaf_keys(tree))
     if groups is None:
         return None
-    ds = tdef.flatten_up_to(dims)
+    ds = jax.tree.structure(tree).flatten_up_to(dims)
     return None if any(g >= 0 and d < 0 for g, d in zip(groups, ds, strict=True)) else groups
+
+
+def _leaf_keys(tree: Any) -> list[tuple[str, ...]]:
+    """Each leaf's path in ``tree`` as a tuple of keys."""
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [tuple(getattr(k, "key", str(k)) for k in path) for path, _ in paths]
 
 
 def _gather_bytes(axis: str, n: int, xs: list, dims: list) -> list:
@@ -459,37 +462,78 @@ def _gather_bytes(axis: str, n: int, xs: list, dims: list) -> list:
     return out
 
 
-def _gather_fp8(axis: str, n: int, xs: list, dims: list, groups: list, compute_dtype,
-                reduce_dtype) -> list:  # fmt: skip
-    """:func:`_gather_leaves` with the GEMM weights (``groups`` >= 0) quantized to e4m3 with
-    their GEMM's tensorwise scale before the all-gather and scaled back after it (one byte an
-    element on the wire; the GEMM quantizes them to the same values, :mod:`jaxpar.model.fp8`);
-    the VJP is the same reduce-scatter of the cotangents in ``reduce_dtype``. One custom VJP
+def _gather_fp8(axis: str, n: int, tree: Any, dims: Any, groups: list, compute_dtype,
+                reduce_dtype) -> Any:  # fmt: skip
+    """:func:`_gather_leaves` of ``tree``'s sharded leaves with the GEMM weights (``groups`` >= 0)
+    quantized to e4m3 with their GEMM's scale before the all-gather and scaled back after it
+    (one byte an element on the wire; the GEMM quantizes them to the same values,
+    :mod:`jaxpar.model.fp8`); the VJP is the same reduce-scatter of the cotangents in
+    ``reduce_dtype``. Tensorwise: the scale from the shards' amax. Delayed: from each GEMM's
+    history (a leaf of ``tree``, passed through), whose cotangent's weight row the VJP sets to
+    the record of the weight itself (:func:`jaxpar.model.fp8.weight_records`). One custom VJP
     around the whole, so the remat policies see a gather (re-run, never saved)."""
+    leaves, tdef = jax.tree.flatten(tree)
+    ds = tdef.flatten_up_to(dims)
+    idx = [i for i, d in enumerate(ds) if d >= 0]
+    xs, dims = [leaves[i] for i in idx], [ds[i] for i in idx]
+    groups = [groups[i] for i in idx]
     dtypes = [x.dtype for x in xs]
+    recipe = fp8.active()
+    hist_at = {}  # GEMM -> the index of its history among the leaves (delayed)
+    if recipe.delayed:
+        hist_at = {g: i for i, g in enumerate(fp8.history_groups(_leaf_keys(tree))) if g >= 0}
+    hs = [leaves[hist_at[g]] if g in hist_at else None for g in range(len(fp8.GEMM_GROUPS))]
     mesh = jax.sharding.get_abstract_mesh()
     # the GEMM's amax is over the whole weight: every axis a shard is split over (the ZeRO
     # axis, tp) but pp, whose ranks hold other layers
     axes = tuple(a for a in mesh.axis_names if a != "pp" and mesh.shape[a] > 1)
 
     @jax.custom_vjp
-    def gather(xs):
-        q, scales = fp8.quantize_shards([x.astype(compute_dtype) for x in xs], groups, axes)
+    def gather(xs, hs):
+        xs = [x.astype(compute_dtype) for x in xs]
+        given = fp8.history_scales(hs, recipe.history) if recipe.delayed else None
+        q, scales = fp8.quantize_shards(xs, groups, axes, given)
         full = _gather_bytes(axis, n, q, dims)
-        return [y if g < 0 else (y.astype(jnp.float32) * s).astype(compute_dtype)
-                for y, s, g in zip(full, scales, groups, strict=True)]  # fmt: skip
+        ys = [y if g < 0 else (y.astype(jnp.float32) * s).astype(compute_dtype)
+              for y, s, g in zip(full, scales, groups, strict=True)]  # fmt: skip
+        return ys, hs
 
-    def fwd(xs):
-        return gather(xs), None
+    def forward(xs, hs):
+        # the gather called as itself: a remat policy sees one custom_vjp_call holding an
+        # all_gather and re-runs it (traced inline, its dequantized outputs would be saved)
+        records = None
+        if recipe.delayed:
+            records = fp8.weight_records([x.astype(compute_dtype) for x in xs], groups, axes)
+        return gather(xs, hs), records
 
-    def bwd(_, gs):
+    def bwd(records, cts):
+        gs, dhs = cts
         if packed_collectives():
-            return (_packed_scatter(axis, n, gs, dims, reduce_dtype, dtypes),)
-        return ([_packed_scatter(axis, n, [g], [d], reduce_dtype, [t])[0]
-                 for g, d, t in zip(gs, dims, dtypes, strict=True)],)  # fmt: skip
+            dxs = _packed_scatter(axis, n, gs, dims, reduce_dtype, dtypes)
+        else:
+            dxs = [_packed_scatter(axis, n, [g], [d], reduce_dtype, [t])[0]
+                   for g, d, t in zip(gs, dims, dtypes, strict=True)]  # fmt: skip
+        return dxs, [None if dh is None else _own_record(dh, records[g])
+                     for g, dh in enumerate(dhs)]  # fmt: skip
 
-    gather.defvjp(fwd, bwd)
-    return gather(xs)
+    gather.defvjp(forward, bwd)
+    ys, hs = gather(xs, hs)
+    for i, y in zip(idx, ys, strict=True):
+        leaves[i] = y
+    for g, i in hist_at.items():
+        leaves[i] = hs[g]
+    return jax.tree.unflatten(tdef, leaves)
+
+
+def _own_record(dh: jax.Array, record: jax.Array) -> jax.Array:
+    """A delayed GEMM's history cotangent ``dh`` ``[3, BUCKETS]`` with its weight row holding
+    ``record`` (the one-hot of the scale the weight needed) in place of the GEMM's record of
+    the gathered values, at the weight the GEMM gave its records: JAX scales a cotangent that
+    crosses a manual region (``1/tp`` inside ``on_local_blocks``), so the row keeps the mass of
+    the GEMM's rows (one record an operand; the weight's row alone is empty where the clipped
+    values were all zero)."""
+    mass = jnp.max(jnp.sum(dh, axis=-1))
+    return dh.at[1].set(record.astype(dh.dtype) * mass)
 
 
 def _rows(xs: list, dims: list, n: int, dtype: Any) -> jax.Array:
