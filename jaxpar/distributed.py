@@ -403,14 +403,18 @@ def target_platform(env: Mapping[str, str] | None = None) -> str:
     return "cpu"
 
 
-def _zero3(layout) -> bool:
+def _zero3(layout, hardware) -> bool:
     return layout.zero == 3
 
 
-def _sp_rings(layout) -> bool:
-    """Megatron-SP's collective matmul (:mod:`jaxpar.model.collective_matmul`): bf16 GEMMs on
-    tp > 1 with sequence parallelism (an FP8 recipe gathers its quantized input instead)."""
-    return layout.tp > 1 and layout.sequence_parallel and layout.fp8 == "none"
+def _two_in_flight(layout, hardware) -> bool:
+    """Layouts whose step has two collectives to keep in flight at once: Megatron-SP's
+    collective matmul (:mod:`jaxpar.model.collective_matmul`: bf16 GEMMs on tp > 1 with
+    sequence parallelism; an FP8 recipe gathers its quantized input instead), and ZeRO-3
+    whose gathers cross nodes (its shard group, dp × tp × sp ranks, larger than a node)."""
+    rings = layout.tp > 1 and layout.sequence_parallel and layout.fp8 == "none"
+    group = layout.dp * layout.tp * layout.sp
+    return rings or (layout.zero == 3 and group > hardware.devices_per_node)
 
 
 # Mesh-file flags that serve one kind of layout: a run of another layout starts without them.
@@ -422,15 +426,19 @@ def _sp_rings(layout) -> bool:
 # it clones that micro-batch's forward: llama3-8b tp 8 + SP, ZeRO-1, 2 micro-batches on h100-8
 # compiles to 35.8 GiB with it and 24.5 without (tp bytes 1.43x / 1.02x the planner's).
 #
-# Two collectives in flight at once: each step of a column-parallel collective matmul's
-# backward sends two chunks (the input's ring and the gradient's reduce-scatter ring) beside
-# one matmul; with XLA's default of one, the scheduler runs one of them synchronously.
-# llama3-8b tp 8 + SP on h100-8, by jaxpar's time model of the compiled step: 0.513 -> 0.491
-# s, tp exposed 0.065 -> 0.042 s, 52.06 -> 52.11 GiB. On the ZeRO-3 rows without rings it
-# cost time (llama3-8b dp 8 ZeRO-3 0.383 -> 0.389 s), so it goes with the rings only.
-LAYOUT_XLA_FLAGS: dict[str, Callable[[Any], bool]] = {
+# Two collectives in flight at once (times by jaxpar's model of the compiled step):
+# * Each step of a column-parallel collective matmul's backward sends two chunks (the
+#   input's ring and the gradient's reduce-scatter ring) beside one matmul; with XLA's
+#   default of one, the scheduler runs one of them synchronously. llama3-8b tp 8 + SP on
+#   h100-8: 0.513 -> 0.491 s, tp exposed 0.065 -> 0.042 s.
+# * ZeRO-3's backward starts a layer's reduce-scatter, then the next layer's gathers: with one
+#   in flight the scatter is waited on right after it starts. Across nodes that wait is long:
+#   llama3-70b dp 1024 on h100-1024 8.570 -> 7.425 s, llama2-70b dp 64 on a100-64 9.589 ->
+#   8.171 s. Inside a node it is short and two in flight cost a little: llama3-8b dp 8 on
+#   h100-8 0.383 -> 0.389 s, so those layouts start without it.
+LAYOUT_XLA_FLAGS: dict[str, Callable[[Any, Any], bool]] = {
     "--xla_gpu_enable_pipelined_all_gather": _zero3,
-    "--xla_gpu_experimental_parallel_collective_overlap_limit": _sp_rings,
+    "--xla_gpu_experimental_parallel_collective_overlap_limit": _two_in_flight,
 }
 
 
@@ -444,7 +452,7 @@ def run_xla_flags(hardware, layout=None) -> list[str]:
     kept = []
     for f in flags:
         only = LAYOUT_XLA_FLAGS.get(f.split("=", 1)[0])
-        if only is None or only(layout):
+        if only is None or only(layout, hardware):
             kept.append(f)
     return kept
 

@@ -242,8 +242,8 @@ def test_zero3_layer_collectives_run_beside_matmuls(tmp_path):
 
 def test_layout_flags_go_with_their_layouts():
     """The mesh files' pipelined all-gather serves ZeRO-3's weight gathers, two collectives in
-    flight the collective matmul's backward (tp > 1 + SP, bf16 GEMMs); other layouts start XLA
-    without them (jaxpar.distributed.run_xla_flags)."""
+    flight the collective matmul's backward (tp > 1 + SP, bf16 GEMMs) and ZeRO-3 across nodes;
+    other layouts start XLA without them (jaxpar.distributed.run_xla_flags)."""
     from jaxpar.distributed import run_xla_flags
 
     mesh = C.load_mesh("h100-8")
@@ -258,9 +258,15 @@ def test_layout_flags_go_with_their_layouts():
                                       fp8=recipe)  # fmt: skip
             got = run_xla_flags(hw, lay)
             assert (gather in got) == (zero == 3)
-            assert (overlap in got) == (tp > 1 and sp and recipe == "none")
+            assert (overlap in got) == (tp > 1 and sp and recipe == "none")  # one node
             assert set(hw.xla_flags) - set(got) <= {gather, overlap}
     assert run_xla_flags(hw) == list(hw.xla_flags)
+    # ZeRO-3 over more ranks than a node holds (a100-64: 8 a node)
+    pod = C.load_mesh("a100-64")
+    for dp, zero, want in ((8, 3, False), (16, 3, True), (16, 1, False)):
+        lay = dataclasses.replace(pod.layout, dp=dp, tp=1, sp=1, zero=zero,
+                                  sequence_parallel=False)  # fmt: skip
+        assert (overlap in run_xla_flags(pod.hardware, lay)) == want, (dp, zero)
 
 
 def test_tp_with_microbatches_keeps_one_forward(tmp_path):
