@@ -269,6 +269,26 @@ def test_layout_flags_go_with_their_layouts():
         assert (overlap in run_xla_flags(pod.hardware, lay)) == want, (dp, zero)
 
 
+def test_zero3_across_nodes_keeps_its_scatters_beside_compute(tmp_path):
+    """llama3-70b's layer shape (4 layers) on h100-1024, dp 1024 ZeRO-3 with full recompute:
+    the run starts with two collectives in flight, and every reduce-scatter of the layers'
+    gradients has compute between its start and done. With one in flight (XLA's default) the
+    backward waited on one right after starting it, and seven gathers ran synchronously:
+    27% of the wire bytes exposed against 13% (BENCHMARKS.md, "Two collectives in flight for
+    ZeRO-3 across nodes")."""
+    _plugin_or_fail()
+    out = _report(_compile(tmp_path, "--model", "llama3-70b", "-o", "model.n_layers=4",
+                           "--mesh", "h100-1024", "--global-batch", "1024", "--seq-len",
+                           "8192", "--dp", "1024", "--tp", "1", "--pp", "1", "--zero", "3",
+                           "--remat", "full", "--microbatches", "1", "--json"))  # fmt: skip
+    limit = "--xla_gpu_experimental_parallel_collective_overlap_limit=2"
+    assert limit in out["xla_flags"]["applied"]
+    ov = out["overlap"]
+    scatters = [c for c in ov["async_collectives"] if c["kind"] == "reduce-scatter"]
+    assert scatters and all(c["flops_between"] > 0 for c in scatters), scatters
+    assert ov["synchronous"] <= 1 and ov["exposed_share"] < 0.2, ov["exposed_share"]
+
+
 def test_tp_with_microbatches_keeps_one_forward(tmp_path):
     """tp 8 + SP, ZeRO-1, 2 micro-batches (llama3-8b, 4 layers): with XLA:GPU's pipelined
     all-gather the compiled step held a second copy of a micro-batch's forward (1.31x the
