@@ -408,7 +408,7 @@ def _zero3(layout, hardware) -> bool:
 
 
 def _two_in_flight(layout, hardware) -> bool:
-    """Layouts whose step has two collectives to keep in flight at once: Megatron-SP's
+    """Layouts whose step has several collectives to keep in flight at once: Megatron-SP's
     collective matmul (:mod:`jaxpar.model.collective_matmul`: bf16 GEMMs on tp > 1 with
     sequence parallelism; an FP8 recipe gathers its quantized input instead), and ZeRO-3
     whose gathers cross nodes (its shard group, dp × tp × sp ranks, larger than a node)."""
@@ -426,7 +426,8 @@ def _two_in_flight(layout, hardware) -> bool:
 # it clones that micro-batch's forward: llama3-8b tp 8 + SP, ZeRO-1, 2 micro-batches on h100-8
 # compiles to 35.8 GiB with it and 24.5 without (tp bytes 1.43x / 1.02x the planner's).
 #
-# Two collectives in flight at once (times by jaxpar's model of the compiled step):
+# More than one collective in flight (times by jaxpar's model of the compiled step, limit 1 ->
+# 2; limit 4 gave as much or more on every such row, BENCHMARKS.md):
 # * Each step of a column-parallel collective matmul's backward sends two chunks (the
 #   input's ring and the gradient's reduce-scatter ring) beside one matmul; with XLA's
 #   default of one, the scheduler runs one of them synchronously. llama3-8b tp 8 + SP on
@@ -434,8 +435,10 @@ def _two_in_flight(layout, hardware) -> bool:
 # * ZeRO-3's backward starts a layer's reduce-scatter, then the next layer's gathers: with one
 #   in flight the scatter is waited on right after it starts. Across nodes that wait is long:
 #   llama3-70b dp 1024 on h100-1024 8.570 -> 7.425 s, llama2-70b dp 64 on a100-64 9.589 ->
-#   8.171 s. Inside a node it is short and two in flight cost a little: llama3-8b dp 8 on
-#   h100-8 0.383 -> 0.389 s, so those layouts start without it.
+#   8.171 s. Inside a node it is short and more in flight cost a little: llama3-8b dp 8 on
+#   h100-8 0.383 -> 0.389 s (0.398 s at 4), so those layouts start without it.
+# * With both (llama2-70b dp 32 x tp 2 + SP ZeRO-3 on a100-64) the rings' two sends fill two
+#   slots and the scatter was still waited on: 11.108 s at 1, 11.143 at 2, 9.699 at 4.
 LAYOUT_XLA_FLAGS: dict[str, Callable[[Any, Any], bool]] = {
     "--xla_gpu_enable_pipelined_all_gather": _zero3,
     "--xla_gpu_experimental_parallel_collective_overlap_limit": _two_in_flight,

@@ -30,16 +30,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from bench_gpu_grid import ROWS  # noqa: E402
 
 # Simulated step (s) per row: BENCHMARKS.md, grid at cb6b2e3 (2026-12-07); the rows with
-# Megatron-SP's rings or ZeRO-3 across nodes again with two collectives in flight ("Two
-# collectives in flight for Megatron-SP's rings" and "... for ZeRO-3 across nodes",
-# 2026-12-07).
+# Megatron-SP's rings or ZeRO-3 across nodes again with four collectives in flight ("Four
+# collectives in flight", 2026-12-07).
 RECORDED = {
-    "70b-production": 9.638,
-    "70b-pick": 9.907,
-    "70b-planner": 11.143,
+    "70b-production": 9.639,
+    "70b-pick": 9.910,
+    "70b-planner": 9.699,
     "70b-planner-1mb": 11.015,
-    "70b-dp64-zero3": 8.171,
-    "70b-rule-of-thumb": 10.304,
+    "70b-dp64-zero3": 8.140,
+    "70b-rule-of-thumb": 10.309,
     # 6581ea4 (each layer's gradient reduced in the backward): these three rows again
     "8b-ddp": 0.817,
     "8b-zero1": 0.543,
