@@ -270,7 +270,7 @@ _current.defvjp(_tensordot_fwd, _tensordot_bwd)
 # rounded) may need a smaller one than the weight: the gather takes the weight's amax from
 # the shards (one small all-reduce, off the GEMM's path) and its VJP writes that record into
 # the history's cotangent in place of the one the GEMM took from the gathered values, so the
-# history is one device's.
+# weight's record is the one a device holding the whole weight makes.
 
 # A dense block's weights by GEMM (paths in one layer's parameters).
 GEMM_GROUPS = (

@@ -402,18 +402,14 @@ def _drop_axes(spec: P, axes: set[str]) -> P:
     return P(*parts)
 
 
-def _on_sharded(fn: Callable, tree: Any, dims: Any, extra: list | None = None) -> Any:
-    """``tree`` with its leaves of ``dims >= 0`` replaced by ``fn(those leaves, their dims)``
-    (and their items of ``extra``, a list over every leaf, where given), one call for all of
-    them (the packed collectives)."""
+def _on_sharded(fn: Callable, tree: Any, dims: Any) -> Any:
+    """``tree`` with its leaves of ``dims >= 0`` replaced by ``fn(those leaves, their dims)``,
+    one call for all of them (the packed collectives)."""
     xs, tdef = jax.tree.flatten(tree)
     ds = tdef.flatten_up_to(dims)
     idx = [i for i, d in enumerate(ds) if d >= 0]
     if idx:
-        args = [[xs[i] for i in idx], [ds[i] for i in idx]]
-        if extra is not None:
-            args.append([extra[i] for i in idx])
-        for i, y in zip(idx, fn(*args), strict=True):
+        for i, y in zip(idx, fn([xs[i] for i in idx], [ds[i] for i in idx]), strict=True):
             xs[i] = y
     return jax.tree.unflatten(tdef, xs)
 
