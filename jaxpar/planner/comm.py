@@ -16,7 +16,10 @@ compute's length; the rest is exposed and adds to the step.
   (``Executor.overlap_tp``, collective matmuls). jaxpar's step does so under SP since its
   collective matmul (:mod:`jaxpar.model.collective_matmul`), inside one node: the share
   of the calls its rings hide in the compiled XLA:GPU program is ``Executor.ring_hidden``
-  (:data:`jaxpar.planner.frameworks.RING_HIDDEN`). Without SP nothing hides the all-reduces.
+  (:data:`jaxpar.planner.frameworks.RING_HIDDEN`). Without SP an all-reduce cannot hide
+  behind its own matmul, but XLA:GPU's scheduler hides most of them behind the kernels that do
+  not need their result (``Executor.nosp_tp_hidden``,
+  :data:`jaxpar.planner.frameworks.NOSP_TP_HIDDEN`), inside one node.
   As compiled by XLA:GPU (llama3-8b, tp 8, per layer): with SP 6 all-gathers and 4
   reduce-scatters under none and selective, 6 and 6 under full; without SP 4 all-reduces under
   none, 5 under full.

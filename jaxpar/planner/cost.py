@@ -196,9 +196,14 @@ def layer_time(
     # (frameworks.RING_HIDDEN: across nodes a ring step's send outlasts its chunk matmul); under
     # FP8 there are no rings, and XLA's scheduler hides a share of GSPMD's gathers and
     # reduce-scatters (frameworks.FP8_TP_HIDDEN, measured inside one node only)
+    # without SP, GSPMD's all-reduces hide behind the kernels that do not need their result
+    # (frameworks.NOSP_TP_HIDDEN; measured with bf16 GEMMs inside one node only)
     ring = 0.0
-    if lay.sequence_parallel and lay.tp > 1 and not crosses_nodes(hw, 1, lay.tp):
-        ring = ex.fp8_tp_hidden if F8.on(lay) else ex.ring_hidden
+    if lay.tp > 1 and not crosses_nodes(hw, 1, lay.tp):
+        if lay.sequence_parallel:
+            ring = ex.fp8_tp_hidden if F8.on(lay) else ex.ring_hidden
+        elif not F8.on(lay):
+            ring = ex.nosp_tp_hidden
     # a flash kernel's backward beyond twice its forward, as the time model prices it
     extra = (FLASH_BACKWARD - 2) * attn if ex.kernels == "published" else 0.0
     # the weight groups ZeRO-3 gathers one at a time (jaxpar.planner.zero3): QKV with the

@@ -93,6 +93,11 @@ class Executor:
       the FP8 gathers and the reduce-scatters, :mod:`jaxpar.planner.fp8`); the share of those
       tp calls XLA:GPU's latency-hiding scheduler hides behind the layer's other kernels,
       inside one node (:data:`FP8_TP_HIDDEN`; :func:`for_target`).
+    * ``nosp_tp_hidden``: without Megatron-SP the tp calls are GSPMD's all-reduces, which
+      cannot hide behind their own matmul; the share of them XLA:GPU's latency-hiding
+      scheduler hides behind the kernels that do not need their result (the backward's
+      weight-gradient matmuls, the forward's residual saves and a pipeline's stash writes),
+      inside one node, bf16 GEMMs (:data:`NOSP_TP_HIDDEN`; :func:`for_target`).
     * ``zero3_window``: share of the neighbouring layer's compute a ZeRO-3 per-layer all-gather
       or reduce-scatter has beside it (times ``overlap_dp``): 1 for the published frameworks'
       prefetch. ``zero3_stream``: instead, each weight group's gather and each layer's
@@ -154,6 +159,7 @@ class Executor:
     sp_grads_per_layer: bool = False
     ring_hidden: float = 0.0
     fp8_tp_hidden: float = 0.0
+    nosp_tp_hidden: float = 0.0
     reduce_after_backward: bool = False
     zero3_window: float = 1.0
     zero3_stream: bool = False
@@ -226,6 +232,14 @@ RING_HIDDEN = 0.68
 # over two layers of the simulated programs: hidden = 1 - exposed / comm, on programs that
 # reduce each layer's dp gradient in the backward (BENCHMARKS.md, "PROGRAM_BYTES refit").
 FP8_TP_HIDDEN = 0.67
+# NOSP_TP_HIDDEN: Executor.nosp_tp_hidden. Measured on one program of another shape than the
+# rows it is checked on, as FP8_TP_HIDDEN: llama3-8b tp 8 without SP, 8 x 4096, h100-8, 4 and 8
+# layers; one layer's tp all-reduce seconds and their exposed part, each the difference over
+# the two depths of the simulated programs: 1 - 0.00383 / 0.01760 = 0.78. Checked on
+# llama3-8b pp 2 x tp 4 (the grid row: 0.86 of the step's tp seconds hidden) and llama2-70b's
+# layer shape at tp 8, dp 8 (0.97 per layer, 4 and 8 layers): BENCHMARKS.md, "tp all-reduces
+# without SP" (2026-12-07).
+NOSP_TP_HIDDEN = 0.78
 
 
 @dataclass(frozen=True)
@@ -325,7 +339,8 @@ def for_target(hw, executor: Executor = JAXPAR) -> Executor:
     all-gather or reduce-scatter, ``zero3_layers`` = 1 (a llama2-70b dp 64 ZeRO-3 step on a100-64
     compiles to 1.01x the planner with it, 1.08x without; a 4-layer d 512 model over h100-8
     1.06x and 1.57x, ``tests/test_gpu_compile.py``); on every GPU the overlap the compiled
-    program has (``zero3_stream``, ``RING_HIDDEN``, ``FP8_TP_HIDDEN``, ``reduce_in_backward``);
+    program has (``zero3_stream``, ``RING_HIDDEN``, ``FP8_TP_HIDDEN``, ``NOSP_TP_HIDDEN``,
+    ``reduce_in_backward``);
     and its kernels as the
     time model costs the compiled program: ``kernels="published"`` (the ceilings of
     :mod:`jaxpar.gpu.costs`, not the mesh curve fitted on published runs) and ``program_bytes``
@@ -337,7 +352,8 @@ def for_target(hw, executor: Executor = JAXPAR) -> Executor:
     return executor.with_(zero3_layers=1.0 if pipelined else executor.zero3_layers,
                           zero3_stream=True, zero3_window=ZERO3_WINDOW, ring_hidden=RING_HIDDEN,
                           reduce_in_backward=True,
-                          fp8_tp_hidden=FP8_TP_HIDDEN, kernels="published",
+                          fp8_tp_hidden=FP8_TP_HIDDEN, nosp_tp_hidden=NOSP_TP_HIDDEN,
+                          kernels="published",
                           program_bytes=True)  # fmt: skip
 
 
