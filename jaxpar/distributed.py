@@ -410,8 +410,9 @@ def _zero3(layout, hardware) -> bool:
 def _two_in_flight(layout, hardware) -> bool:
     """Layouts whose step has several collectives to keep in flight at once: Megatron-SP's
     collective matmul (:mod:`jaxpar.model.collective_matmul`: bf16 GEMMs on tp > 1 with
-    sequence parallelism; an FP8 recipe gathers its quantized input instead), and ZeRO-3
-    whose gathers cross nodes (its shard group, dp × tp × sp ranks, larger than a node)."""
+    sequence parallelism; an FP8 recipe gathers its quantized input instead, except where
+    ZeRO-3 crosses nodes, :func:`jaxpar.sharding.fp8_rings`), and ZeRO-3 whose gathers cross
+    nodes (its shard group, dp × tp × sp ranks, larger than a node)."""
     rings = layout.tp > 1 and layout.sequence_parallel and layout.fp8 == "none"
     group = layout.dp * layout.tp * layout.sp
     return rings or (layout.zero == 3 and group > hardware.devices_per_node)

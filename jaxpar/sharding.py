@@ -19,7 +19,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import LayoutConfig, ModelConfig
+from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 
 LOGICAL_AXES = (
     "batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
@@ -59,6 +59,9 @@ class Rules:
     # Inside the gradient region (jaxpar.train.context): the micro-batches each loss there is
     # the mean over, so its cotangents are that many times the step's (jaxpar.model.fp8).
     loss_microbatches: int = 1
+    # Megatron-SP's FP8 gathers and reduce-scatters as collective-matmul rings rather than
+    # GSPMD's collectives at the dot (fp8_rings, jaxpar.model.fp8)
+    fp8_rings: bool = False
 
     def lookup(self, logical: str | None) -> MeshAxes:
         """Mesh axes a logical axis maps to (first matching rule wins)."""
@@ -88,8 +91,28 @@ class Rules:
         return P(*out)
 
 
-def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
-    """The rule table of a layout.
+def fp8_rings(layout: LayoutConfig, hardware: HardwareConfig | None) -> bool:
+    """Whether Megatron-SP's tp collectives of an FP8 recipe run as the collective matmul's
+    rings of sends (:mod:`jaxpar.model.collective_matmul`) instead of GSPMD's FP8 all-gathers
+    and reduce-scatters at the dots: where ZeRO-3's per-layer gathers and reduce-scatters cross
+    nodes. XLA:GPU runs GSPMD's collectives first in, first out on one stream, so a GEMM's tp
+    gather waits behind a long dp call there; a ring's sends run on the point-to-point stream
+    beside it (llama3-70b dp 128 x tp 8 + SP, ZeRO-3, delayed, on h100-1024 at 8 layers: step
+    0.804 -> 0.641 s, tp exposed 0.254 -> 0.050 s). Inside one node the rings' chunked FP8 GEMMs
+    cost more than they hide (llama3-8b on h100-8, delayed: tp 8 + SP 0.369 -> 0.400 s; dp 2 x
+    tp 4 + SP ZeRO-3 0.325 -> 0.351 s): GSPMD's collectives stay. Rowwise scales keep GSPMD's
+    (each row's scale would travel with its chunk). BENCHMARKS.md, "FP8 tp rings across
+    nodes"."""
+    if hardware is None or layout.fp8 not in ("tensorwise", "delayed"):
+        return False
+    if layout.tp <= 1 or not layout.sequence_parallel or layout.zero != 3:
+        return False
+    return layout.dp * layout.tp * layout.sp > hardware.devices_per_node
+
+
+def rules_for(model: ModelConfig, layout: LayoutConfig,
+              hardware: HardwareConfig | None = None) -> Rules:  # fmt: skip
+    """The rule table of a layout (``hardware``: the mesh's, for :func:`fp8_rings`).
 
     Megatron TP: ``heads``, ``mlp`` and ``vocab`` on ``tp`` make QKV/MLP-up column-parallel and
     attention-out/MLP-down row-parallel, so GSPMD emits one all-reduce per pair in forward and
@@ -142,6 +165,7 @@ def rules_for(model: ModelConfig, layout: LayoutConfig) -> Rules:
         fp8=layout.fp8,
         fp8_history=layout.fp8_history,
         fp8_bf16_ends=(layout.fp8_bf16_first, layout.fp8_bf16_last),
+        fp8_rings=fp8_rings(layout, hardware),
     )
 
 

@@ -226,6 +226,44 @@ def test_zero3_gathers_gemm_weights_as_fp8_with_the_same_numbers(recipe):
     assert wire[1] - wire[0] >= fp8_elems["u8"]
 
 
+def test_tp_rings_across_nodes_equal_one_device():
+    """Where ZeRO-3's calls cross nodes (here nodes of two devices), Megatron-SP's FP8 gathers
+    and reduce-scatters run as the collective matmul's rings (``sharding.fp8_rings``): FP8
+    collective-permutes in the program and no FP8 activation all-gather, gradients equal to one
+    device's at the GSPMD path's FP8 tolerance. Inside one node the same layout keeps GSPMD's
+    FP8 all-gathers and no permute."""
+    import re
+
+    def run(per_node: int):
+        cfg = small_config(fp8="tensorwise", dp=2, tp=2, sequence_parallel=True, zero=3)
+        cfg.mesh.hardware.devices_per_node = per_node
+        tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[:4]))
+        t = cfg.train
+        rows = Batches(load_corpus("stdlib", 256), t.global_batch, t.seq_len, seed=3)
+        loss, g = tr.grads(tr.init_state(0)["params"], rows.global_array(0, tr.batch_sharding))
+        text = tr.compile_step().as_text()
+        kinds = {op: {d for d, o in re.findall(r"= (\w+)\[[\d,]*\]\S* ([\w-]+?)(?:-start)?\(",
+                                                text) if o == op}
+                 for op in ("collective-permute", "all-gather")}  # fmt: skip
+        return tr.rules.fp8_rings, float(loss), tr.convert(g, "canonical"), kinds
+
+    rings, loss, g, kinds = run(2)
+    ref_loss, ref = _grads("tensorwise", microbatches=1)
+    assert rings and abs(loss / ref_loss - 1) < 1e-5
+    # FP8 values travel as bytes on XLA:CPU (u8); the ZeRO-3 weight gathers stay all-gathers
+    # XLA:CPU widens the FP8 activations' collectives to f16 (the compute dtype here is fp32;
+    # the ZeRO-3 weight gathers move FP8 bytes as u8)
+    assert "f16" in kinds["collective-permute"] and "f16" not in kinds["all-gather"]
+    for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]:
+        r = ref
+        for k in path:
+            r = r[k.key]
+        err = np.abs(np.asarray(leaf) - r).max() / np.abs(r).max()
+        assert err < 2e-2, (jax.tree_util.keystr(path), err)
+    rings, _, _, gspmd = run(8)
+    assert not rings and not gspmd["collective-permute"] and "f16" in gspmd["all-gather"]
+
+
 def test_bf16_ends_run_their_blocks_without_fp8():
     """``layout.fp8_bf16_first/last``: the loss is embed → the first blocks with bf16 GEMMs →
     the middle ones in FP8 → the last ones in bf16 → head, composed here by hand; and it

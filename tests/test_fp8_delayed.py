@@ -92,8 +92,9 @@ def _run(steps: int, **layout):
     return _RUNS[key]
 
 
-def _train(steps: int, **layout):
+def _train(steps: int, devices_per_node: int = 8, **layout):
     cfg = small_config(fp8="delayed", **layout)
+    cfg.mesh.hardware.devices_per_node = devices_per_node  # 2: ZeRO-3 across "nodes"
     tr = Trainer(cfg, make_mesh(cfg.layout, jax.devices()[: cfg.layout.n_devices]))
     t = cfg.train
     batches = Batches(load_corpus("stdlib", 256), t.global_batch, t.seq_len, seed=3)
@@ -127,6 +128,12 @@ LAYOUTS = {
     "dp2_pp2_zbh1_m2_zero3": (dict(dp=2, pp=2, microbatches=2, schedule="zb-h1", zero=3), 2e-4),
     "dp4_zero3": (dict(dp=4, zero=3), 1e-5),
     "dp2_tp2_sp": (dict(dp=2, tp=2, sequence_parallel=True), None),
+    # ZeRO-3 across nodes of two devices: Megatron-SP's FP8 collectives as the rings
+    # (sharding.fp8_rings), quantized with the same history scales
+    "dp2_tp2_sp_zero3_rings": (
+        dict(dp=2, tp=2, sequence_parallel=True, zero=3, devices_per_node=2),
+        None,
+    ),
 }
 
 
@@ -135,6 +142,7 @@ def test_layout_keeps_one_devices_history(name):
     layout, tol = LAYOUTS[name]
     ref_out, ref = _reference()
     tr, state, out = _run(3, **layout)
+    assert tr.rules.fp8_rings == name.endswith("_rings")
     got = jax.tree.map(np.asarray, tr.convert(state["params"], "canonical"))
     for (loss, over), (ref_loss, ref_over) in zip(out, ref_out, strict=True):
         assert abs(loss / ref_loss - 1) < (1e-5 if tol else 1e-4)

@@ -200,8 +200,15 @@ def _ag_matmul_bwd(t, res, dy):
     gathered into the whole ``x``; dW: ``xᵀ·dy``, one matmul after the rings. Both rings'
     sends of step ``i`` run beside its ``dx`` matmul."""
     x, w = res
-    r = jax.lax.axis_index(TP)
     axes = (tuple(range(2, dy.ndim)), tuple(range(1, w.ndim)))
+    acc, dw = _ag_bwd_local(x, w, dy, t, lambda d, w: jnp.tensordot(d, w, axes), _dw)
+    return acc.astype(x.dtype), dw.astype(w.dtype)
+
+
+def _ag_bwd_local(x, w, dy, t: int, dx_of, dw_of):
+    """:func:`_ag_matmul_bwd`'s rings with the caller's products: ``dx_of(dy chunk, w)`` for
+    the reduce-scatter ring's partial sums, ``dw_of(whole x, dy)`` after the rings."""
+    r = jax.lax.axis_index(TP)
     full = _gathered(x, t)
     cur, acc = x, None
     for i in range(t):
@@ -209,11 +216,11 @@ def _ag_matmul_bwd(t, res, dy):
         nxt = _send(cur, t) if i < t - 1 else None
         sent = _send(acc, t) if i else None
         full = _place(full, cur, k)
-        acc = _add(sent, jnp.tensordot(_chunk(dy, (r - 1 - i) % t, t), w, axes))
+        acc = _add(sent, dx_of(_chunk(dy, (r - 1 - i) % t, t), w))
         if nxt is not None:
             nxt, acc, full, dy = _barrier((nxt, acc, full, dy))
         cur = nxt
-    return acc.astype(x.dtype), _dw(full, dy).astype(w.dtype)
+    return acc, dw_of(full, dy)
 
 
 _ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd)
@@ -242,3 +249,85 @@ def _matmul_rs_bwd(n, t, res, dy):
 
 
 _matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd)
+
+
+# ---- the rings with the caller's products (FP8 GEMMs, jaxpar.model.fp8) ---------------------
+#
+# The same rings, called from inside another VJP rule on operands the caller prepared (FP8
+# values quantized on their sequence shard): no VJP of their own. Each takes ``ax`` from
+# :func:`axes`; a weight gradient is summed over the sequence axes other than tp here (the
+# custom VJPs above get that sum from their map's transpose).
+
+
+def _rest(n: int) -> tuple:
+    return (None,) * n
+
+
+def _map(fn, in_specs, out_specs, act):
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=set(act),
+                         check_vma=False)  # fmt: skip
+
+
+def _sum_seq(dw: jax.Array, act: tuple[str, ...]) -> jax.Array:
+    others = tuple(a for a in act if a != TP)
+    return jax.lax.psum(dw, others) if others else dw
+
+
+def gather_products(x, w, ax, product, dtype) -> jax.Array:
+    """A column-parallel product of sequence-sharded ``x`` ``[B, S, D]`` (on ``act``) and
+    ``w`` (axis 1 on tp): ``product(x chunk, w block)`` for every chunk of the all-gather
+    ring, in ``dtype``, the output laid out as :func:`column_parallel`'s."""
+    act, seq = ax
+    t, rest = jax.sharding.get_abstract_mesh().shape[TP], _rest(w.ndim - 2)
+
+    def local(x, w):
+        shape = (x.shape[0], t * x.shape[1], *w.shape[1:])
+        return _gather_apply(x, t, lambda xc: product(xc, w), shape, dtype)[0]
+
+    return _map(local, (P(None, act, None), P(None, TP, *rest)),
+                P(None, seq or None, TP, *rest), act)(x, w)  # fmt: skip
+
+
+def gather_products_bwd(x, w, dy, ax, dx_of, dw_of) -> tuple[jax.Array, jax.Array]:
+    """The backward of :func:`gather_products` with the caller's products: ``dx`` as the
+    reduce-scatter ring of ``dx_of(dy chunk, w block)`` back onto ``x``'s sequence shards,
+    ``dW = dw_of(whole x, dy)`` with ``x`` gathered by a ring beside it."""
+    act, seq = ax
+    t, rest = jax.sharding.get_abstract_mesh().shape[TP], _rest(w.ndim - 2)
+
+    def local(x, w, dy):
+        dx, dw = _ag_bwd_local(x, w, dy, t, dx_of, dw_of)
+        return dx, _sum_seq(dw, act)
+
+    specs = (P(None, act, None), P(None, TP, *rest), P(None, seq or None, TP, *rest))
+    return _map(local, specs, (specs[0], specs[1]), act)(x, w, dy)
+
+
+def scatter_products(h, w, ax, product) -> jax.Array:
+    """A row-parallel product of ``h`` (axis 2 on tp) and ``w`` (axis 0 on tp):
+    ``product(h chunk, w block)`` partial sums reduce-scattered by the ring onto the
+    sequence shards (``act``), in the products' dtype."""
+    act, seq = ax
+    t = jax.sharding.get_abstract_mesh().shape[TP]
+
+    def local(h, w):
+        return _scatter_reduce(t, lambda hh, k: product(_chunk(hh, k, t), w), h)
+
+    return _map(local, (P(None, seq or None, TP, *_rest(h.ndim - 3)), P(TP, *_rest(w.ndim - 1))),
+                P(None, act, None), act)(h, w)  # fmt: skip
+
+
+def scatter_products_bwd(h, w, dy, ax, dh_of, dw_of, dtype) -> tuple[jax.Array, jax.Array]:
+    """The backward of :func:`scatter_products` with the caller's products: ``dy``
+    (sequence-sharded) gathered by a ring, ``dh_of(dy chunk, w block)`` placed in each chunk's
+    slot of ``dh`` (in ``dtype``), then ``dW = dw_of(h, whole dy)``."""
+    act, seq = ax
+    t = jax.sharding.get_abstract_mesh().shape[TP]
+
+    def local(h, w, dy):
+        dh, full = _gather_apply(dy, t, lambda c: dh_of(c, w), h.shape, dtype, keep=True)
+        return dh, _sum_seq(dw_of(h, full), act)
+
+    specs = (P(None, seq or None, TP, *_rest(h.ndim - 3)), P(TP, *_rest(w.ndim - 1)),
+             P(None, act, None))  # fmt: skip
+    return _map(local, specs, (specs[0], specs[1]), act)(h, w, dy)

@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.model import collective_matmul as cm
 from jaxpar.model.names import fp8_scale
 from jaxpar.sharding import active_rules, constrain
 
@@ -168,6 +169,58 @@ def _scatter(y: jax.Array) -> jax.Array:
     return constrain(y, _STREAM)
 
 
+def _rings(stream: str, x: jax.Array, recipe: Recipe):
+    """The collective matmul's axes (:func:`jaxpar.model.collective_matmul.axes`) where a
+    tensorwise-scaled product meets the residual stream under Megatron-SP and the layout runs
+    its FP8 tp collectives as rings (:func:`jaxpar.sharding.fp8_rings`): the FP8 gather or
+    reduce-scatter is then a ring of sends beside the chunks' FP8 GEMMs, as the bf16 GEMMs'
+    are. None elsewhere: GSPMD's collective at the dot."""
+    rules = active_rules()
+    if not stream or recipe.rowwise or rules is None or not rules.fp8_rings:
+        return None
+    return cm.axes(x.shape[1])
+
+
+def _product(qx, qw, n: int, stream: str, dtype, ax) -> jax.Array:
+    """The forward FP8 product of quantized ``qx`` (``x``'s last ``n`` axes) and ``qw`` onto
+    the residual stream's layout for ``stream`` (:func:`tensordot`), unscaled: GSPMD's FP8
+    gather or reduce-scatter at the dot, or the ring (``ax``)."""
+    cx, cw = tuple(range(qx.ndim - n, qx.ndim)), tuple(range(n))
+
+    def product(a, b):
+        return _dot(a, b, cx, cw, dtype)
+
+    if ax is None:
+        y = product(_gather(qx) if stream == "in" else qx, qw)
+        return _scatter(y) if stream == "out" else y
+    if stream == "in":
+        return cm.gather_products(qx, qw, ax, product, dtype)
+    return cm.scatter_products(qx, qw, ax, product)
+
+
+def _products_bwd(qx, qw, qdy, n: int, stream: str, dtypes, ax):
+    """``(dx, dW)`` of :func:`_product`, unscaled: ``dx = qdy·qwᵀ`` onto ``x``'s layout and
+    ``dW = qxᵀ·qdy`` over batch and sequence, in ``dtypes`` (x's, w's)."""
+    lead = qx.ndim - n
+    dlead, dout = tuple(range(lead)), tuple(range(lead, qdy.ndim))
+    wout = tuple(range(n, qw.ndim))
+
+    def dx_of(d, w):
+        return _dot(d, w, dout, wout, dtypes[0])
+
+    def dw_of(a, d):
+        return _dot(a, d, dlead, dlead, dtypes[1])
+
+    if ax is None:
+        qdy_full = _gather(qdy) if stream == "out" else qdy
+        dx = dx_of(qdy_full, qw)
+        dx = _scatter(dx) if stream == "in" else dx
+        return dx, dw_of(_gather(qx) if stream == "in" else qx, qdy_full)
+    if stream == "in":
+        return cm.gather_products_bwd(qx, qw, qdy, ax, dx_of, dw_of)
+    return cm.scatter_products_bwd(qx, qw, qdy, ax, dx_of, dw_of, dtypes[0])
+
+
 def tensordot(x: jax.Array, w: jax.Array, n: int, recipe: Recipe, stream: str = "",
               history: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """``jnp.tensordot(x, w, n)`` (``x``'s last ``n`` axes against ``w``'s first ``n``) as an
@@ -209,10 +262,8 @@ def _forward(x, w, n, recipe, stream):
         sw = jnp.squeeze(_scale(w, E4M3, tuple(range(w.ndim)), batch=False))  # scalars
         s = sx * sw
     sx, sw = fp8_scale(sx), fp8_scale(sw)
-    qx = _quantize(x, sx, E4M3)
-    y = _dot(_gather(qx) if stream == "in" else qx, _quantize(w, sw, E4M3), cx, cw, x.dtype)
-    if stream == "out":
-        y = _scatter(y)
+    qx, qw = _quantize(x, sx, E4M3), _quantize(w, sw, E4M3)
+    y = _product(qx, qw, n, stream, x.dtype, _rings(stream, x, recipe))
     return (y * s).astype(x.dtype), (x, w, sx, sw)
 
 
@@ -244,9 +295,10 @@ def _tensordot_bwd(n, recipe, stream, res, dy):
         dw = dw * _outer(_squeeze(sx_c, dlead), _squeeze(sdy_c, dlead), w.ndim - n)
     else:
         sdy = jnp.squeeze(_scale(dy, g, tuple(range(dy.ndim)), batch=True))
-        qdy = gdy(_quantize(dy, sdy, g))
-        dx = sdx(_dot(qdy, _quantize(w, sw, E4M3), dout, wout, x.dtype)) * (sdy * sw)
-        dw = _dot(gx(_quantize(x, sx, E4M3)), qdy, dlead, dlead, w.dtype) * (sx * sdy)
+        qx, qw, qdy = _quantize(x, sx, E4M3), _quantize(w, sw, E4M3), _quantize(dy, sdy, g)
+        dx, dw = _products_bwd(qx, qw, qdy, n, stream, (x.dtype, w.dtype),
+                               _rings(stream, x, recipe))  # fmt: skip
+        dx, dw = dx * (sdy * sw), dw * (sx * sdy)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
@@ -451,22 +503,17 @@ def _delayed(x, w, history, n: int, recipe: Recipe, stream: str) -> jax.Array:
 
 
 def _delayed_fwd(x, w, history, n, recipe, stream):
-    cx, cw = tuple(range(x.ndim - n, x.ndim)), tuple(range(n))
     if stream == "in":
         x = constrain(x, _STREAM)
     sx = fp8_scale(_hist_scale(history[0], recipe.history))
     sw = fp8_scale(_hist_scale(history[1], recipe.history))
-    qx = _quantize(x, sx, E4M3)
-    y = _dot(_gather(qx) if stream == "in" else qx, _quantize(w, sw, E4M3), cx, cw, x.dtype)
-    if stream == "out":
-        y = _scatter(y)
+    qx, qw = _quantize(x, sx, E4M3), _quantize(w, sw, E4M3)
+    y = _product(qx, qw, n, stream, x.dtype, _rings(stream, x, recipe))
     return (y * (sx * sw)).astype(x.dtype), (x, w, history)
 
 
 def _delayed_bwd(n, recipe, stream, res, dy):
     x, w, history = res
-    lead = x.ndim - n
-    dlead, dout, wout = tuple(range(lead)), tuple(range(lead, dy.ndim)), tuple(range(n, w.ndim))
     g = recipe.grad_dtype
     if stream == "out":
         dy = constrain(dy, _STREAM)
@@ -476,13 +523,8 @@ def _delayed_bwd(n, recipe, stream, res, dy):
     per = _cotangent_scale()
     sx, sw = (_hist_scale(history[i], recipe.history) for i in range(2))
     sdy = _hist_scale(history[2], recipe.history) * per
-    qdy = _quantize(dy, sdy, g)
-    qdy_full = _gather(qdy) if stream == "out" else qdy
-    dx = _dot(qdy_full, _quantize(w, sw, E4M3), dout, wout, x.dtype)
-    if stream == "in":
-        dx = _scatter(dx)
-    qx = _quantize(x, sx, E4M3)
-    dw = _dot(_gather(qx) if stream == "in" else qx, qdy_full, dlead, dlead, w.dtype)
+    qx, qw, qdy = _quantize(x, sx, E4M3), _quantize(w, sw, E4M3), _quantize(dy, sdy, g)
+    dx, dw = _products_bwd(qx, qw, qdy, n, stream, (x.dtype, w.dtype), _rings(stream, x, recipe))
     # The history's cotangent: the scale each operand needed here (GSPMD reduces each amax
     # over the tp/sp shards; the data-parallel ranks' one-hots are summed with the gradients).
     seen = [_record(x, E4M3), _record(w, E4M3), _record(dy, g, per)]

@@ -109,7 +109,8 @@ def column_parallel(x_BxSxD: jax.Array, w_DxN: jax.Array, matmul=project,
 
     Under an FP8 recipe (``layout.fp8``) the product is :func:`jaxpar.model.fp8.tensordot`,
     which quantizes ``x`` on its sequence shard and gathers the FP8 values (Megatron-SP's
-    all-gather at half the bytes, placed by GSPMD: not the ring); ``history``: its amax
+    all-gather at half the bytes: GSPMD's at the dot, or the ring where ZeRO-3 crosses nodes,
+    :func:`jaxpar.sharding.fp8_rings`); ``history``: its amax
     history under a delayed recipe."""
     if (recipe := fp8.active()) is not None:
         return fp8.tensordot(x_BxSxD, w_DxN, 1, recipe, "in", history)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from jaxpar import sharding as shd
 from jaxpar.analysis.theory import DTYPE_BYTES
 from jaxpar.config import HardwareConfig, LayoutConfig, ModelConfig
 from jaxpar.planner import comm as CM
@@ -177,9 +178,14 @@ def layer_time(
     wc = DTYPE_BYTES[lay.compute_dtype]
     act_bytes = res.bytes(tokens, wc) - res.weights * wc
     passes = ex.elementwise_passes
+    # an FP8 recipe's Megatron-SP collectives: GSPMD's at the dots, or the rings where ZeRO-3
+    # crosses nodes (jaxpar.sharding.fp8_rings)
+    gspmd8 = F8.on(lay) and not shd.fp8_rings(lay, hw)
     if ex.program_bytes:  # what XLA's fusions of jaxpar's layer move (frameworks.PROGRAM_BYTES)
         sp_ = lay.sequence_parallel and lay.tp > 1
-        # Megatron-SP's passes: the rings' under bf16, GSPMD's gathers' under FP8 (no rings)
+        # Megatron-SP's passes: the bf16 rings', or an FP8 recipe's (GSPMD's gathers; the FP8
+        # rings move chunks of one byte: llama3-70b dp 128 x tp 8 + SP delayed on h100-1024,
+        # 80 layers, compute 4.02 s in the program, 4.05 s priced with these passes)
         sp_passes = PROGRAM_BYTES.fp8_sp_act_passes if F8.on(lay) else PROGRAM_BYTES.sp_act_passes
         passes = (sp_passes if sp_ else PROGRAM_BYTES.act_passes) / 3
     elementwise = (passes * act_bytes + F8.quant_bytes(model, lay, tokens)) / mem_bw
@@ -194,14 +200,14 @@ def layer_time(
     tp, sp = CM.tp_calls(model, hw, lay, shape), CM.sp_calls(model, hw, lay, shape)
     # the collective matmul's rings hide a share of the tp calls inside one node
     # (frameworks.RING_HIDDEN: across nodes a ring step's send outlasts its chunk matmul); under
-    # FP8 there are no rings, and XLA's scheduler hides a share of GSPMD's gathers and
+    # FP8 without the rings XLA's scheduler hides a share of GSPMD's gathers and
     # reduce-scatters (frameworks.FP8_TP_HIDDEN, measured inside one node only)
     # without SP, GSPMD's all-reduces hide behind the kernels that do not need their result
     # (frameworks.NOSP_TP_HIDDEN; measured with bf16 GEMMs inside one node only)
     ring = 0.0
     if lay.tp > 1 and not crosses_nodes(hw, 1, lay.tp):
         if lay.sequence_parallel:
-            ring = ex.fp8_tp_hidden if F8.on(lay) else ex.ring_hidden
+            ring = ex.fp8_tp_hidden if gspmd8 else ex.ring_hidden
         elif not F8.on(lay):
             ring = ex.nosp_tp_hidden
     # a flash kernel's backward beyond twice its forward, as the time model prices it
@@ -214,7 +220,10 @@ def layer_time(
     halves = 2 if model.mlp == "swiglu" else 1
     groups += [(secs[2] / halves, params[2] / halves)] * halves + [(secs[3], params[3])]
     groups = [(s_ + elementwise / len(groups), p_) for s_, p_ in groups]
-    rings = lay.sequence_parallel and lay.tp > 1 and not F8.on(lay)  # FP8: GSPMD's gathers
+    # ZeRO-3's gathers start at a group's last ring chunk under the bf16 rings; beside the FP8
+    # rings' chunks the program's dp waits are GSPMD's (llama3-70b dp 128 x tp 8 + SP delayed
+    # on h100-1024, 8 layers: dp exposed 0.089 s with GSPMD's FP8 gathers, 0.093 s with rings)
+    rings = lay.sequence_parallel and lay.tp > 1 and not F8.on(lay)
     return LayerTime(compute=compute, matmul=sum(secs) + attn, attention=attn, tp=tp, sp=sp,
                      efficiency=eff, recompute=recompute, overlap_tp=ex.overlap_tp,
                      ring_hidden=ring, backward_extra=extra, weight_groups=tuple(groups),

@@ -89,10 +89,11 @@ class Executor:
       XLA:GPU program). Unlike ``overlap_tp`` it is a share of the calls, not of the matmuls:
       what stays exposed is structural (a backward ring step's two sends share one window and
       XLA:GPU runs one collective-permute at a time), so it scales with the traffic.
-    * ``fp8_tp_hidden``: under an FP8 recipe with Megatron-SP there are no rings (GSPMD places
-      the FP8 gathers and the reduce-scatters, :mod:`jaxpar.planner.fp8`); the share of those
-      tp calls XLA:GPU's latency-hiding scheduler hides behind the layer's other kernels,
-      inside one node (:data:`FP8_TP_HIDDEN`; :func:`for_target`).
+    * ``fp8_tp_hidden``: under an FP8 recipe with Megatron-SP and no rings (GSPMD places the
+      FP8 gathers and the reduce-scatters, :mod:`jaxpar.planner.fp8`; the rings run only where
+      ZeRO-3 crosses nodes, :func:`jaxpar.sharding.fp8_rings`, and hide ``ring_hidden``):
+      the share of those tp calls XLA:GPU's latency-hiding scheduler hides behind the layer's
+      other kernels, inside one node (:data:`FP8_TP_HIDDEN`; :func:`for_target`).
     * ``nosp_tp_hidden``: without Megatron-SP the tp calls are GSPMD's all-reduces, which
       cannot hide behind their own matmul; the share of them XLA:GPU's latency-hiding
       scheduler hides behind the kernels that do not need their result (the backward's
@@ -274,7 +275,8 @@ class ProgramBytes:
       sequences per device, dp 8, ZeRO-1);
       ``sp_act_passes``: the same under Megatron-SP (tp 8): 15.1 — the collective matmul's
       rings slice, pad and add their chunks through HBM. ``fp8_sp_act_passes``: the same under
-      an FP8 recipe with Megatron-SP, where there are no rings (GSPMD gathers the FP8 operands),
+      an FP8 recipe with Megatron-SP (GSPMD gathers the FP8 operands; priced for the FP8
+      rings too, whose chunks are one byte an element),
       beyond the quantization bytes the planner prices apart (3 × :func:`jaxpar.planner.fp8.
       quant_bytes`, delayed's 2.58 bytes an element): measured on dp 2 × tp 4 + SP ``--fp8
       delayed`` at 1 and 2 sequences per device (``tp4-fp8``, ``tp4-fp8-2seq``).

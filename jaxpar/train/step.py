@@ -110,7 +110,7 @@ class Trainer:
         lay = cfg.layout
         self.model = model or Model(cfg.model, fp8_history=lay.fp8 == "delayed")
         check_platform(cfg, mesh.devices.flat)
-        self.rules = shd.rules_for(cfg.model, lay)
+        self.rules = shd.rules_for(cfg.model, lay, cfg.mesh.hardware)
         # Pipelines store the model in their own form at rest (layer stack in placement order,
         # stage-owned embedding and head: jaxpar.pipeline.rest); checkpoints, Hugging Face
         # weights and inference see the canonical form (:meth:`convert`).
