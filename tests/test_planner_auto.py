@@ -93,8 +93,9 @@ def test_gpu_scheduler_memory_pressure_leaves_nothing_overlapped():
     z1, z2 = ([c for c in cand.cost.comm if c.label.startswith("ZeRO-3 per-layer")][0]
               for cand in (one, two))  # fmt: skip
     # under the limit the gathers hide only behind the kernel XLA:GPU places beside each
-    # (jaxpar.planner.zero3): the compiled program (grid at cb6b2e3) exposes 3.29 s of dp
-    assert z1.hidden_s == 0 and 0.4 < z2.exposed_s / z2.seconds < 0.85
+    # (jaxpar.planner.zero3): the compiled program, at the four collectives in flight the mesh
+    # starts it with, exposes 1.97 s of its 5.6 s of dp transfers (BENCHMARKS.md)
+    assert z1.hidden_s == 0 and 0.25 < z2.exposed_s / z2.seconds < 0.5
     assert memory_pressure(C.load_mesh("cpu-8").hardware, one.memory) is None
     slop = "--xla_gpu_memory_limit_slop_factor="
     assert f"{slop}300" in hw.xla_flags

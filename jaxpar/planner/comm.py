@@ -322,6 +322,19 @@ def _zero3_groups(hw, lt: LayerTime, wire: float, n: int, stride: int, f_layer: 
     return groups
 
 
+def in_flight(hw: HardwareConfig, lay: LayoutConfig) -> int:
+    """Collectives XLA:GPU keeps in flight at once in a run of ``lay`` on ``hw``: the overlap
+    limit among the flags the run starts with (:func:`jaxpar.distributed.run_xla_flags`),
+    1 by default."""
+    from jaxpar.distributed import run_xla_flags
+
+    for f in run_xla_flags(hw, lay):
+        name, _, value = f.partition("=")
+        if name == "--xla_gpu_experimental_parallel_collective_overlap_limit":
+            return int(value or 1)
+    return 1
+
+
 def _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex,
                  wg: float) -> list[CommTerm]:  # fmt: skip
     """ZeRO-3: per layer per pass, prefetched behind the neighbouring compute (module
@@ -340,10 +353,20 @@ def _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex,
     # started a layer's gathers together at its start and waited on each reduce-scatter at once,
     # which neither pricing describes (BENCHMARKS.md): the share stays there
     if ex.zero3_stream and ex.overlap_dp and lt.weight_groups and lay.remat != "full":
-        # each weight group's gather one kernel ahead of its consumer, one stream
-        groups = _zero3_groups(hw, lt, per_layer * r * wg, n, stride, f_layer, b_layer)
+        # each weight group's gather one kernel ahead of its consumer, one stream; under
+        # delayed scaling a layer's FP8 weights are one packed gather (jaxpar.train.reduce.
+        # _gather_fp8) with nothing on its path, started at the previous layer's start
+        # (llama3-70b dp 128 x tp 8 + SP on h100-1024: one 2.8 ms gather a layer, in flight
+        # beside the whole previous layer). Tensorwise first takes the weights' max over the
+        # shards, an all-reduce on the same stream: walked per group as bf16 (dp 256 x tp 4 +
+        # SP, selective: 1.53 s of dp exposed in the program, 0.15 s walked as one group)
+        if wg < wc and lay.fp8 == "delayed":
+            groups = [Z3.Group(f_layer, b_layer, ag.seconds)]
+        else:
+            groups = _zero3_groups(hw, lt, per_layer * r * wg, n, stride, f_layer, b_layer)
         behind = "the kernel before each weight group's consumer (one stream)"
-        fwd_exposed, bwd_exposed = Z3.exposed(groups, layers, rs.seconds, lt.chunks)
+        fwd_exposed, bwd_exposed = Z3.exposed(groups, layers, rs.seconds, lt.chunks,
+                                              in_flight(hw, lay) > 1)  # fmt: skip
         total = layers * (2 * sum(g.gather_s for g in groups) + rs.seconds)
         calls = 2 * len(groups) + 1
     else:
