@@ -72,6 +72,11 @@ class Executor:
     * ``selective_reruns_kernel``: under selective remat the backward re-runs a blockwise
       attention kernel's forward (jaxpar: the kernel is a custom_vjp with no dot of its own, so
       ``checkpoint_dots`` keeps none of it).
+    * ``recompute_drops_dead``: a full recompute runs the forward less the matmuls whose
+      outputs the backward never reads, attention's output projection and the MLP's down
+      projection (their inputs are what their gradients need): XLA removes them from the
+      rematerialized forward as dead code (jaxpar, dense layers). An eager framework's
+      checkpointed forward runs whole.
     * ``follows_model``: ``attention`` and ``loss_chunk`` come from the model being costed
       (jaxpar's own step: :func:`for_model`); a published framework's are fixed.
     * ``tick_stashes``: stash-sized residual sets a tick holds beyond the schedule's peak (the
@@ -155,6 +160,7 @@ class Executor:
     carry_copies: float = 0.0
     tick_stashes: float = 1.0
     selective_reruns_kernel: bool = False
+    recompute_drops_dead: bool = False
     follows_model: bool = False
     zero3_layers: float = 0.0
     sp_grads_per_layer: bool = False
@@ -184,6 +190,7 @@ JAXPAR = Executor(
     split_sees_plain_dots=True,
     loss="chunked",
     selective_reruns_kernel=True,
+    recompute_drops_dead=True,
     follows_model=True,
     sp_grads_per_layer=True,
     reduce_after_backward=True,
