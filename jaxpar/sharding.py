@@ -101,9 +101,11 @@ def fp8_rings(layout: LayoutConfig, hardware: HardwareConfig | None) -> bool:
     0.804 -> 0.641 s, tp exposed 0.254 -> 0.050 s). Inside one node the rings' chunked FP8 GEMMs
     cost more than they hide (llama3-8b on h100-8, delayed: tp 8 + SP 0.369 -> 0.400 s; dp 2 x
     tp 4 + SP ZeRO-3 0.325 -> 0.351 s): GSPMD's collectives stay. Rowwise scales keep GSPMD's
-    (each row's scale would travel with its chunk). BENCHMARKS.md, "FP8 tp rings across
+    (each row's scale would travel with its chunk), and so does a pipeline: inside its ticks
+    the FP8 rings gave NaN gradients on CPU with dp > 1 (dp 2 × tp 2 + SP × pp 2, ZeRO-3;
+    dp 1 and the bf16 rings were right), not resolved. BENCHMARKS.md, "FP8 tp rings across
     nodes"."""
-    if hardware is None or layout.fp8 not in ("tensorwise", "delayed"):
+    if hardware is None or layout.fp8 not in ("tensorwise", "delayed") or layout.pp > 1:
         return False
     if layout.tp <= 1 or not layout.sequence_parallel or layout.zero != 3:
         return False

@@ -262,6 +262,14 @@ def test_tp_rings_across_nodes_equal_one_device():
         assert err < 2e-2, (jax.tree_util.keystr(path), err)
     rings, _, _, gspmd = run(8)
     assert not rings and not gspmd["collective-permute"] and "f16" in gspmd["all-gather"]
+    # not inside a pipeline's ticks (jaxpar.sharding.fp8_rings says why)
+    from jaxpar import sharding as shd
+
+    cfg = small_config(fp8="tensorwise", dp=2, tp=2, pp=2, sequence_parallel=True, zero=3)
+    cfg.mesh.hardware.devices_per_node = 2
+    assert not shd.fp8_rings(cfg.layout, cfg.mesh.hardware)
+    cfg.layout.pp = 1
+    assert shd.fp8_rings(cfg.layout, cfg.mesh.hardware)
 
 
 def test_bf16_ends_run_their_blocks_without_fp8():
