@@ -407,6 +407,12 @@ def _zero3(layout, hardware) -> bool:
     return layout.zero == 3
 
 
+def zero3_across_nodes(layout, hardware) -> bool:
+    """ZeRO-3 whose shard group (dp × tp × sp ranks) is larger than a node: its per-layer
+    gathers and reduce-scatters cross nodes."""
+    return layout.zero == 3 and layout.dp * layout.tp * layout.sp > hardware.devices_per_node
+
+
 def _two_in_flight(layout, hardware) -> bool:
     """Layouts whose step has several collectives to keep in flight at once: Megatron-SP's
     collective matmul (:mod:`jaxpar.model.collective_matmul`: bf16 GEMMs on tp > 1 with
@@ -414,8 +420,7 @@ def _two_in_flight(layout, hardware) -> bool:
     ZeRO-3 crosses nodes, :func:`jaxpar.sharding.fp8_rings`), and ZeRO-3 whose gathers cross
     nodes (its shard group, dp × tp × sp ranks, larger than a node)."""
     rings = layout.tp > 1 and layout.sequence_parallel and layout.fp8 == "none"
-    group = layout.dp * layout.tp * layout.sp
-    return rings or (layout.zero == 3 and group > hardware.devices_per_node)
+    return rings or zero3_across_nodes(layout, hardware)
 
 
 # Mesh-file flags that serve one kind of layout: a run of another layout starts without them.

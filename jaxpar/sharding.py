@@ -107,9 +107,9 @@ def fp8_rings(layout: LayoutConfig, hardware: HardwareConfig | None) -> bool:
     nodes"."""
     if hardware is None or layout.fp8 not in ("tensorwise", "delayed") or layout.pp > 1:
         return False
-    if layout.tp <= 1 or not layout.sequence_parallel or layout.zero != 3:
-        return False
-    return layout.dp * layout.tp * layout.sp > hardware.devices_per_node
+    from jaxpar.distributed import zero3_across_nodes
+
+    return layout.tp > 1 and layout.sequence_parallel and zero3_across_nodes(layout, hardware)
 
 
 def rules_for(model: ModelConfig, layout: LayoutConfig,
