@@ -65,6 +65,13 @@ def axes(seq_len: int) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or TP not in mesh.axis_names or TP in mesh.manual_axes:
         return None
+    if "pp" in mesh.manual_axes:
+        # Inside a pipeline's ticks each rank runs its own branch of the tick's conditionals,
+        # and one ring's collective-permute spans the tp groups of every pp rank: XLA:CPU meets
+        # all its devices in one rendezvous, so ranks in different branches met the wrong
+        # permutes (tp 2 + SP x pp 2 lost 5.583-5.605 against one device's 5.641). GSPMD's
+        # all-gathers and reduce-scatters there stay within each tp group.
+        return None
     if seq_len % math.prod(mesh.shape[a] for a in act):
         return None
     # Size-1 axes stay automatic: manual, a weight's gradient would be summed over one device
