@@ -103,7 +103,12 @@ LAYOUTS = {
     # Megatron-SP in the stages: GSPMD's gathers, not the collective matmul's rings (whose
     # permutes inside a stage's branch met other stages' on CPU: a wrong loss)
     "dp2-tp2-sp-z1-interleaved": dict(
-        dp=2, tp=2, sequence_parallel=True, zero=1, schedule="interleaved", virtual=2,
+        dp=2,
+        tp=2,
+        sequence_parallel=True,
+        zero=1,
+        schedule="interleaved",
+        virtual=2,
         microbatches=4,
     ),  # fmt: skip
     "dp2-sp2-ring-z3-1f1b": dict(
