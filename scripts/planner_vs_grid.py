@@ -31,14 +31,15 @@ from bench_gpu_grid import ROWS  # noqa: E402
 
 # Simulated step (s) per row: BENCHMARKS.md, grid at cb6b2e3 (2026-12-07); the rows with
 # Megatron-SP's rings or ZeRO-3 across nodes again with four collectives in flight ("Four
-# collectives in flight", 2026-12-07).
+# collectives in flight", 2026-12-07); the llama2-70b pipeline rows with Megatron-SP again
+# without rings inside the ticks ("No rings inside a pipeline's ticks", 2026-12-07).
 RECORDED = {
-    "70b-production": 9.639,
-    "70b-pick": 9.910,
+    "70b-production": 9.574,
+    "70b-pick": 9.835,
     "70b-planner": 9.699,
     "70b-planner-1mb": 11.015,
     "70b-dp64-zero3": 8.140,
-    "70b-rule-of-thumb": 10.309,
+    "70b-rule-of-thumb": 10.243,
     # 6581ea4 (each layer's gradient reduced in the backward): these three rows again
     "8b-ddp": 0.817,
     "8b-zero1": 0.543,

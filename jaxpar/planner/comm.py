@@ -352,7 +352,16 @@ def _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex,
     # checked on programs without full recompute; under it (llama2-70b dp 64, a100-64) XLA:GPU
     # started a layer's gathers together at its start and waited on each reduce-scatter at once,
     # which neither pricing describes (BENCHMARKS.md): the share stays there
-    if ex.zero3_stream and ex.overlap_dp and lt.weight_groups and lay.remat != "full":
+    from jaxpar.distributed import zero3_across_nodes
+
+    if lay.pp > 1 and ex.zero3_stream and zero3_across_nodes(lay, hw):
+        # inside a pipeline's ticks the calls across nodes outlast what XLA places beside
+        # them in the tick's branch: llama2-70b dp 4 x tp 8 + SP x pp 2 ZeRO-3 on a100-64
+        # exposes 3.17 s of its 4.17 s of dp transfers (the walk below gave 0.32 s); priced
+        # exposed. Inside one node the walk holds (dp 2 x tp 4 + SP x pp 8: 0.16 s exposed)
+        fwd_exposed, bwd_exposed = layers * ag.seconds, layers * pair
+        behind = "nothing (a pipeline tick's branch, across nodes)"
+    elif ex.zero3_stream and ex.overlap_dp and lt.weight_groups and lay.remat != "full":
         # each weight group's gather one kernel ahead of its consumer, one stream; under
         # delayed scaling a layer's FP8 weights are one packed gather (jaxpar.train.reduce.
         # _gather_fp8) with nothing on its path, started at the previous layer's start
@@ -365,8 +374,12 @@ def _zero3_terms(hw, lay, pc, n, stride, layers, m, lt, f_layer, b_layer, ex,
         else:
             groups = _zero3_groups(hw, lt, per_layer * r * wg, n, stride, f_layer, b_layer)
         behind = "the kernel before each weight group's consumer (one stream)"
-        fwd_exposed, bwd_exposed = Z3.exposed(groups, layers, rs.seconds, lt.chunks,
-                                              in_flight(hw, lay) > 1)  # fmt: skip
+        # a pipeline runs each chunk's layers in a tick of their own, inside the tick's
+        # conditionals: every chunk action starts its walk afresh (its first gather and last
+        # reduce-scatter with nothing beside them)
+        runs = lay.virtual if lay.pp > 1 else 1
+        fwd_exposed, bwd_exposed = (runs * x for x in Z3.exposed(
+            groups, layers // runs, rs.seconds, lt.chunks, in_flight(hw, lay) > 1))  # fmt: skip
         total = layers * (2 * sum(g.gather_s for g in groups) + rs.seconds)
         calls = 2 * len(groups) + 1
     else:

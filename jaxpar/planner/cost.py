@@ -178,15 +178,17 @@ def layer_time(
     wc = DTYPE_BYTES[lay.compute_dtype]
     act_bytes = res.bytes(tokens, wc) - res.weights * wc
     passes = ex.elementwise_passes
-    # an FP8 recipe's Megatron-SP collectives: GSPMD's at the dots, or the rings where ZeRO-3
-    # crosses nodes (jaxpar.sharding.fp8_rings)
+    # Megatron-SP's tp collectives: the bf16 collective matmul's rings (not inside a
+    # pipeline's ticks: jaxpar.model.collective_matmul.axes), the FP8 rings where ZeRO-3
+    # crosses nodes (jaxpar.sharding.fp8_rings), else GSPMD's gathers and reduce-scatters
+    sp_ = lay.sequence_parallel and lay.tp > 1
+    bf16_rings = sp_ and not F8.on(lay) and lay.pp == 1
     gspmd8 = F8.on(lay) and not shd.fp8_rings(lay, hw)
     if ex.program_bytes:  # what XLA's fusions of jaxpar's layer move (frameworks.PROGRAM_BYTES)
-        sp_ = lay.sequence_parallel and lay.tp > 1
-        # Megatron-SP's passes: the bf16 rings', or an FP8 recipe's (GSPMD's gathers; the FP8
-        # rings move chunks of one byte: llama3-70b dp 128 x tp 8 + SP delayed on h100-1024,
-        # 80 layers, compute 4.02 s in the program, 4.05 s priced with these passes)
-        sp_passes = PROGRAM_BYTES.fp8_sp_act_passes if F8.on(lay) else PROGRAM_BYTES.sp_act_passes
+        # Megatron-SP's passes: the bf16 rings', or GSPMD's gathers' (an FP8 recipe's, the
+        # FP8 rings moving chunks of one byte: llama3-70b dp 128 x tp 8 + SP delayed on
+        # h100-1024, 80 layers, compute 4.02 s in the program, 4.05 s priced with these passes)
+        sp_passes = PROGRAM_BYTES.sp_act_passes if bf16_rings else PROGRAM_BYTES.fp8_sp_act_passes
         passes = (sp_passes if sp_ else PROGRAM_BYTES.act_passes) / 3
     elementwise = (passes * act_bytes + F8.quant_bytes(model, lay, tokens)) / mem_bw
     recompute = 0.0  # forward work the backward re-runs
@@ -211,7 +213,9 @@ def layer_time(
     # (frameworks.NOSP_TP_HIDDEN; measured with bf16 GEMMs inside one node only)
     ring = 0.0
     if lay.tp > 1 and not crosses_nodes(hw, 1, lay.tp):
-        if lay.sequence_parallel:
+        if lay.sequence_parallel and not F8.on(lay) and not bf16_rings:
+            ring = ex.pipe_sp_hidden  # GSPMD's bf16 gathers inside a pipeline's ticks
+        elif lay.sequence_parallel:
             ring = ex.fp8_tp_hidden if gspmd8 else ex.ring_hidden
         elif not F8.on(lay):
             ring = ex.nosp_tp_hidden
@@ -228,7 +232,7 @@ def layer_time(
     # ZeRO-3's gathers start at a group's last ring chunk under the bf16 rings; beside the FP8
     # rings' chunks the program's dp waits are GSPMD's (llama3-70b dp 128 x tp 8 + SP delayed
     # on h100-1024, 8 layers: dp exposed 0.089 s with GSPMD's FP8 gathers, 0.093 s with rings)
-    rings = lay.sequence_parallel and lay.tp > 1 and not F8.on(lay)
+    rings = bf16_rings
     return LayerTime(compute=compute, matmul=sum(secs) + attn, attention=attn, tp=tp, sp=sp,
                      efficiency=eff, recompute=recompute, overlap_tp=ex.overlap_tp,
                      ring_hidden=ring, backward_extra=extra, weight_groups=tuple(groups),

@@ -99,6 +99,9 @@ class Executor:
       ZeRO-3 crosses nodes, :func:`jaxpar.sharding.fp8_rings`, and hide ``ring_hidden``):
       the share of those tp calls XLA:GPU's latency-hiding scheduler hides behind the layer's
       other kernels, inside one node (:data:`FP8_TP_HIDDEN`; :func:`for_target`).
+    * ``pipe_sp_hidden``: inside a pipeline's ticks Megatron-SP's bf16 tp calls are GSPMD's
+      gathers and reduce-scatters (the rings' permutes would meet other stages' branches);
+      the share XLA:GPU's scheduler hides, inside one node (:data:`PIPE_SP_HIDDEN`).
     * ``nosp_tp_hidden``: without Megatron-SP the tp calls are GSPMD's all-reduces, which
       cannot hide behind their own matmul; the share of them XLA:GPU's latency-hiding
       scheduler hides behind the kernels that do not need their result (the backward's
@@ -167,6 +170,7 @@ class Executor:
     ring_hidden: float = 0.0
     fp8_tp_hidden: float = 0.0
     nosp_tp_hidden: float = 0.0
+    pipe_sp_hidden: float = 0.0
     reduce_after_backward: bool = False
     zero3_window: float = 1.0
     zero3_stream: bool = False
@@ -248,6 +252,13 @@ FP8_TP_HIDDEN = 0.67
 # layer shape at tp 8, dp 8 (0.97 per layer, 4 and 8 layers): BENCHMARKS.md, "tp all-reduces
 # without SP" (2026-12-07).
 NOSP_TP_HIDDEN = 0.78
+# PIPE_SP_HIDDEN: Executor.pipe_sp_hidden. Inside a pipeline's ticks Megatron-SP's tp calls are
+# GSPMD's bf16 all-gathers and reduce-scatters (no collective-matmul rings there:
+# jaxpar.model.collective_matmul.axes); the share XLA:GPU hides, measured on one program that
+# is not a grid row: llama3-8b pp 2 x tp 4 + SP, 8 x 4096, 8 micro-batches, h100-8, 8 and 16
+# layers, one layer's tp seconds and their exposed part by difference: 1 - 0.0087 / 0.0233 =
+# 0.63 (BENCHMARKS.md, "No rings inside a pipeline's ticks").
+PIPE_SP_HIDDEN = 0.63
 
 
 @dataclass(frozen=True)
@@ -362,6 +373,7 @@ def for_target(hw, executor: Executor = JAXPAR) -> Executor:
                           zero3_stream=True, zero3_window=ZERO3_WINDOW, ring_hidden=RING_HIDDEN,
                           reduce_in_backward=True,
                           fp8_tp_hidden=FP8_TP_HIDDEN, nosp_tp_hidden=NOSP_TP_HIDDEN,
+                          pipe_sp_hidden=PIPE_SP_HIDDEN,
                           kernels="published",
                           program_bytes=True)  # fmt: skip
 
