@@ -101,11 +101,9 @@ def fp8_rings(layout: LayoutConfig, hardware: HardwareConfig | None) -> bool:
     0.804 -> 0.641 s, tp exposed 0.254 -> 0.050 s). Inside one node the rings' chunked FP8 GEMMs
     cost more than they hide (llama3-8b on h100-8, delayed: tp 8 + SP 0.369 -> 0.400 s; dp 2 x
     tp 4 + SP ZeRO-3 0.325 -> 0.351 s): GSPMD's collectives stay. Rowwise scales keep GSPMD's
-    (each row's scale would travel with its chunk), and so does a pipeline: inside its ticks
-    the FP8 rings compute a wrong loss on CPU (tp 2 + SP × pp 2, tensorwise: 5.562 against
-    one device's 5.640 at dp 1, forward-only too; NaN under ZeRO-3 with dp 2), while the bf16
-    rings there and the FP8 rings without a pipeline are right; not resolved. BENCHMARKS.md,
-    "FP8 tp rings across nodes"."""
+    (each row's scale would travel with its chunk), and so does a pipeline, whose ticks run no
+    rings at all (:func:`jaxpar.model.collective_matmul.axes`: a ring's permutes would meet
+    other stages' branches). BENCHMARKS.md, "FP8 tp rings across nodes"."""
     if hardware is None or layout.fp8 not in ("tensorwise", "delayed") or layout.pp > 1:
         return False
     from jaxpar.distributed import zero3_across_nodes

@@ -231,9 +231,9 @@ PIPELINED_COLLECTIVES = (
 # ZERO3_WINDOW, calibrated on llama2-70b dp 32 x tp 2 + SP at the fitted ceilings.
 ZERO3_WINDOW = 0.2
 # RING_HIDDEN: Executor.ring_hidden. Calibrated on llama3-8b tp 8 + SP, h100-8; checked on the
-# 70B dp 32 x tp 2 rings (pipelines have no rings in their ticks since 2f213d6:
-# PIPE_SP_HIDDEN). Across nodes the rings hide nothing (dp 4 x tp 16 + SP on a100-64: a ring
-# step's send outlasts its chunk matmul), so it is not applied there.
+# 70B dp 32 x tp 2 rings (a pipeline's ticks have no rings, their permutes would meet other
+# stages' branches: PIPE_SP_HIDDEN there). Across nodes the rings hide nothing (dp 4 x tp 16
+# + SP on a100-64: a ring step's send outlasts its chunk matmul), so it is not applied there.
 RING_HIDDEN = 0.68
 # FP8_TP_HIDDEN: Executor.fp8_tp_hidden. Measured by scripts/calibrate_program_bytes.py on one
 # program of another shape than the rows it is checked on: llama3-8b's layer shape, dp 2 x tp 4
