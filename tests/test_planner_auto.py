@@ -303,8 +303,8 @@ def test_priced_calls_move_the_bytes_of_the_stage_theory(zero):
 
 def test_planner_prices_what_the_compiled_gpu_program_overlaps():
     """On a GPU pod jaxpar's executor hides what its compiled XLA:GPU program hides
-    (Executor.zero3_stream, RING_HIDDEN, PIPE_SP_HIDDEN, NOSP_TP_HIDDEN,
-    reduce_after_backward); published frameworks' executors are untouched."""
+    (Executor.zero3_stream, RING_HIDDEN, PIPE_SP_HIDDEN by tp degree, PIPE_SP_ZERO3_HIDDEN,
+    NOSP_TP_HIDDEN, reduce_after_backward); published frameworks' executors are untouched."""
     from jaxpar.planner import frameworks as F
     from jaxpar.planner import published_runs as PR
     from jaxpar.planner.search import evaluate
@@ -322,7 +322,13 @@ def test_planner_prices_what_the_compiled_gpu_program_overlaps():
     piped = dataclasses.replace(sp, tp=4, pp=2, microbatches=8)  # no rings in a pipeline tick:
     # GSPMD's gathers and reduce-scatters, a share of them hidden
     (tp,) = [c for c in evaluate(model, gpu, piped, shape).cost.comm if c.name == "tp_comm"]
-    assert tp.hidden_s == pytest.approx(F.PIPE_SP_HIDDEN * tp.seconds) and tp.seconds > 0
+    assert tp.hidden_s == pytest.approx(dict(F.PIPE_SP_HIDDEN)[4] * tp.seconds) and tp.seconds
+    # tp 8 hides less (half the matmuls beside each call); ZeRO-3's gathers share the stream
+    for lay, share in ((dataclasses.replace(piped, tp=8), dict(F.PIPE_SP_HIDDEN)[8]),
+                       (dataclasses.replace(piped, dp=2, zero=3), F.PIPE_SP_ZERO3_HIDDEN)):
+        (tp,) = [c for c in evaluate(model, gpu, lay, shape).cost.comm if c.name == "tp_comm"]
+        assert tp.hidden_s == pytest.approx(share * tp.seconds) and tp.seconds > 0
+    assert F.PIPE_SP_ZERO3_HIDDEN < dict(F.PIPE_SP_HIDDEN)[8] < dict(F.PIPE_SP_HIDDEN)[4]
     plain = dataclasses.replace(piped, sequence_parallel=False)  # all-reduces: no ring, but
     # XLA's scheduler hides most of them behind the kernels that do not need their result
     (tp,) = [c for c in evaluate(model, gpu, plain, shape).cost.comm if c.name == "tp_comm"]

@@ -82,3 +82,25 @@ def test_memory_bound_terms_by_hand():
     terms = CO.step_cost(model, hw, lay, shape, ex).terms
     assert terms["weights"] == pytest.approx(want)
     assert PROGRAM_BYTES.weight_bytes(2) == PROGRAM_BYTES.weight_bytes(1)
+
+
+def test_pipeline_sp_transposes_only_with_more_than_one_sequence():
+    """Inside a pipeline's ticks Megatron-SP's GSPMD gathers land [b, s, d] sequence-major; with
+    b > 1 XLA transposes them (PROGRAM_BYTES.sp_transpose_passes of the gathered hidden
+    state), at b = 1 the layouts coincide and only pipe_sp_act_passes remain."""
+    model, hw, lay, _ = _setup(dp=1, tp=4, pp=2, microbatches=4, sequence_parallel=True)
+    ex = for_target(hw, for_model(model))
+    res = block_residuals(model, lay, 4096, "blockwise", "none")
+    act, d = res.bytes(4096, 2) - res.weights * 2, model.d_model
+    one = CO.layer_time(model, hw, lay, Shape(4, 4096), ex)
+    assert one.compute - one.matmul == pytest.approx(
+        PROGRAM_BYTES.pipe_sp_act_passes / 3 * act / hw.hbm_bw)
+    two = CO.layer_time(model, hw, lay, Shape(8, 4096), ex)  # two sequences a micro-batch
+    hidden = 2 * 4096 * d * 2  # the gathered [2, 4096, d] in bf16
+    assert two.compute - two.matmul == pytest.approx(
+        (PROGRAM_BYTES.pipe_sp_act_passes / 3 * 2 * act
+         + PROGRAM_BYTES.sp_transpose_passes / 3 * hidden) / hw.hbm_bw)  # fmt: skip
+    # the rings (no pipeline) and FP8's GSPMD operands keep their own passes, no transposes
+    ring = CO.layer_time(model, hw, dataclasses.replace(lay, pp=1), Shape(8, 4096), ex)
+    assert ring.compute - ring.matmul == pytest.approx(
+        PROGRAM_BYTES.sp_act_passes / 3 * 2 * act / hw.hbm_bw)

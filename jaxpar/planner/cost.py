@@ -177,7 +177,7 @@ def layer_time(
     res = block_residuals(model, lay, s, "blockwise", "none")
     wc = DTYPE_BYTES[lay.compute_dtype]
     act_bytes = res.bytes(tokens, wc) - res.weights * wc
-    passes = ex.elementwise_passes
+    passes, transposes = ex.elementwise_passes, 0.0
     # Megatron-SP's tp collectives: the bf16 collective matmul's rings (not inside a
     # pipeline's ticks: jaxpar.model.collective_matmul.axes), the FP8 rings where ZeRO-3
     # crosses nodes (jaxpar.sharding.fp8_rings), else GSPMD's gathers and reduce-scatters
@@ -189,8 +189,16 @@ def layer_time(
         # FP8 rings moving chunks of one byte: llama3-70b dp 128 x tp 8 + SP delayed on
         # h100-1024, 80 layers, compute 4.02 s in the program, 4.05 s priced with these passes)
         sp_passes = PROGRAM_BYTES.sp_act_passes if bf16_rings else PROGRAM_BYTES.fp8_sp_act_passes
+        if sp_ and not F8.on(lay) and not bf16_rings:  # GSPMD's bf16 gathers (pipeline ticks)
+            sp_passes = PROGRAM_BYTES.pipe_sp_act_passes
+            if b > 1:
+                # a gather over tp along the sequence of [b, s, d] lands sequence-major and is
+                # transposed for its consumer (and the reverse for a reduce-scatter's input):
+                # PROGRAM_BYTES.sp_transpose_passes of the gathered hidden state a layer
+                transposes = PROGRAM_BYTES.sp_transpose_passes * tokens * d * wc
         passes = (sp_passes if sp_ else PROGRAM_BYTES.act_passes) / 3
-    elementwise = (passes * act_bytes + F8.quant_bytes(model, lay, tokens)) / mem_bw
+    quant = F8.quant_bytes(model, lay, tokens)
+    elementwise = (passes * act_bytes + transposes / 3 + quant) / mem_bw
     recompute = 0.0  # forward work the backward re-runs
     compute = sum(secs) + attn + elementwise
     if lay.remat == "full":
@@ -214,7 +222,8 @@ def layer_time(
     ring = 0.0
     if lay.tp > 1 and not crosses_nodes(hw, 1, lay.tp):
         if lay.sequence_parallel and not F8.on(lay) and not bf16_rings:
-            ring = ex.pipe_sp_hidden  # GSPMD's bf16 gathers inside a pipeline's ticks
+            # GSPMD's bf16 gathers inside a pipeline's ticks
+            ring = ex.pipe_sp_share(lay.tp, lay.zero == 3 and lay.dp > 1)
         elif lay.sequence_parallel:
             ring = ex.fp8_tp_hidden if gspmd8 else ex.ring_hidden
         elif not F8.on(lay):

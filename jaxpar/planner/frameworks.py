@@ -101,7 +101,9 @@ class Executor:
       other kernels, inside one node (:data:`FP8_TP_HIDDEN`; :func:`for_target`).
     * ``pipe_sp_hidden``: inside a pipeline's ticks Megatron-SP's bf16 tp calls are GSPMD's
       gathers and reduce-scatters (the rings' permutes would meet other stages' branches);
-      the share XLA:GPU's scheduler hides, inside one node (:data:`PIPE_SP_HIDDEN`).
+      the share XLA:GPU's scheduler hides, inside one node, by tp degree (:data:`PIPE_SP_HIDDEN`,
+      :meth:`pipe_sp_share`); ``pipe_sp_zero3_hidden`` the share where ZeRO-3's per-layer
+      gathers share the collective stream with them (:data:`PIPE_SP_ZERO3_HIDDEN`).
     * ``nosp_tp_hidden``: without Megatron-SP the tp calls are GSPMD's all-reduces, which
       cannot hide behind their own matmul; the share of them XLA:GPU's latency-hiding
       scheduler hides behind the kernels that do not need their result (the backward's
@@ -170,7 +172,8 @@ class Executor:
     ring_hidden: float = 0.0
     fp8_tp_hidden: float = 0.0
     nosp_tp_hidden: float = 0.0
-    pipe_sp_hidden: float = 0.0
+    pipe_sp_hidden: tuple[tuple[int, float], ...] = ()
+    pipe_sp_zero3_hidden: float = 0.0
     reduce_after_backward: bool = False
     zero3_window: float = 1.0
     zero3_stream: bool = False
@@ -181,6 +184,15 @@ class Executor:
     def with_(self, **kw) -> Executor:
         """A copy with some fields changed."""
         return replace(self, **kw)
+
+    def pipe_sp_share(self, tp: int, zero3: bool) -> float:
+        """The share of Megatron-SP's GSPMD tp calls hidden inside a pipeline's ticks at
+        ``tp`` (the measured degree nearest it, the lower on a tie), or beside ZeRO-3's gathers
+        (``zero3``: a ZeRO-3 group over more than one rank)."""
+        if not self.pipe_sp_hidden:
+            return 0.0
+        share = min(self.pipe_sp_hidden, key=lambda p: (abs(p[0] - tp), p[0]))[1]
+        return min(share, self.pipe_sp_zero3_hidden) if zero3 else share
 
 
 # jaxpar's train step as it compiles by default: a flash-style attention core (``model.attention``
@@ -250,13 +262,23 @@ FP8_TP_HIDDEN = 0.67
 # layer shape at tp 8, dp 8 (0.97 per layer, 4 and 8 layers): BENCHMARKS.md, "tp all-reduces
 # without SP" (2026-12-07).
 NOSP_TP_HIDDEN = 0.78
-# PIPE_SP_HIDDEN: Executor.pipe_sp_hidden. Inside a pipeline's ticks Megatron-SP's tp calls are
-# GSPMD's bf16 all-gathers and reduce-scatters (no collective-matmul rings there:
-# jaxpar.model.collective_matmul.axes); the share XLA:GPU hides, measured on one program that
-# is not a grid row: llama3-8b pp 2 x tp 4 + SP, 8 x 4096, 8 micro-batches, h100-8, 8 and 16
-# layers, one layer's tp seconds and their exposed part by difference: 1 - 0.0087 / 0.0233 =
-# 0.63 (BENCHMARKS.md, "No rings inside a pipeline's ticks").
-PIPE_SP_HIDDEN = 0.63
+# PIPE_SP_HIDDEN: Executor.pipe_sp_hidden, (tp, share) pairs. Inside a pipeline's ticks
+# Megatron-SP's tp calls are GSPMD's bf16 all-gathers and reduce-scatters (no collective-matmul
+# rings there: jaxpar.model.collective_matmul.axes); the share XLA:GPU hides, measured on
+# programs that are not grid rows, one layer's tp seconds and their exposed part by difference
+# over two depths. tp 4: llama3-8b pp 2 x tp 4 + SP, 8 x 4096, 8 micro-batches, h100-8, 8 and
+# 16 layers: 1 - 0.0087 / 0.0233 = 0.63 (BENCHMARKS.md, "No rings inside a pipeline's ticks";
+# 0.74, 0.57 and 0.64 at 4 micro-batches of 1, 2 and 4 sequences, 4 and 8 layers). tp 8: the
+# same layer shape, pp 2 x tp 8 + SP over 16 GPUs, 4 micro-batches of 1 and 2 sequences, 4
+# and 8 layers: 0.34 and 0.42, so 0.38. With tp 8 a rank's matmuls beside each call are half
+# tp 4's while the call's bytes stay. Between and beyond the two, the nearer one's share.
+PIPE_SP_HIDDEN = ((4, 0.63), (8, 0.38))
+# PIPE_SP_ZERO3_HIDDEN: Executor.pipe_sp_zero3_hidden. ZeRO-3 inside a pipeline's ticks puts
+# each layer's weight gathers on the collective stream the tp gathers hide on, and they queue
+# behind them: llama3-8b pp 2 x dp 2 x tp 4 + SP, ZeRO-3, 4 micro-batches of 1 sequence over
+# 16 GPUs (dp and tp inside a node), 4 and 8 layers: 0.791 ms of tp a layer and micro-batch,
+# 0.703 exposed, so 0.11.
+PIPE_SP_ZERO3_HIDDEN = 0.11
 
 
 @dataclass(frozen=True)
@@ -296,6 +318,19 @@ class ProgramBytes:
       beyond the quantization bytes the planner prices apart (3 × :func:`jaxpar.planner.fp8.
       quant_bytes`, delayed's 2.58 bytes an element): measured on dp 2 × tp 4 + SP ``--fp8
       delayed`` at 1 and 2 sequences per device (``tp4-fp8``, ``tp4-fp8-2seq``).
+    * ``pipe_sp_act_passes``, ``sp_transpose_passes``: Megatron-SP inside a pipeline's ticks,
+      where the tp calls are GSPMD's bf16 all-gathers and reduce-scatters (no rings). With
+      more than one sequence in a micro-batch, a gather of ``[b, s, d]`` along ``s`` lands
+      sequence-major and XLA transposes it for its consumer (and a reduce-scatter's input the
+      other way): measured by the time model on llama3-8b pp 2 × tp 4 + SP, 1F1B, 4
+      micro-batches of 1, 2 and 4 sequences, 4 and 8 layers (h100-8), the transpose fusions
+      move nothing at one sequence and 36.0 passes of the gathered hidden state (``b·s·d``
+      elements in the compute dtype) a layer at two and four, forward and backward; pp 2 ×
+      tp 8 + SP (16 GPUs) at two sequences 30.0; so 33.0. On llama2-70b dp 2 × tp 8 + SP ×
+      pp 4, 16 micro-batches of 2 (a100-64) they are 34.5 passes, 0.73 s of its step. The
+      remaining passes: ``fp8_sp_act_passes``, which prices the tp 4 programs at 2 and 4
+      sequences within 1%, less the transposes in its units there (4.17), so 6.13; the tp 8
+      programs' other memory-bound bytes then plan within 0.06 ms a layer and micro-batch.
     * ``weights``: :class:`WeightBytes` per ZeRO stage, from 1, 2 and 4 micro-batches of one
       sequence per device: ZeRO 0/1 slice each layer's fp32 weights out of the stack and cast
       them, write each weight gradient into the stacked fp32 gradient and add it to the
@@ -324,6 +359,8 @@ class ProgramBytes:
     act_passes: float = 7.05
     sp_act_passes: float = 15.07
     fp8_sp_act_passes: float = 10.30
+    pipe_sp_act_passes: float = 6.13
+    sp_transpose_passes: float = 33.0
     weights: tuple[tuple[int, WeightBytes], ...] = (
         (0, WeightBytes(step=33.27, microbatch=44.35, loop=11.34)),
         (1, WeightBytes(step=5.23, microbatch=44.35, loop=20.54)),
@@ -372,6 +409,7 @@ def for_target(hw, executor: Executor = JAXPAR) -> Executor:
                           reduce_in_backward=True,
                           fp8_tp_hidden=FP8_TP_HIDDEN, nosp_tp_hidden=NOSP_TP_HIDDEN,
                           pipe_sp_hidden=PIPE_SP_HIDDEN,
+                          pipe_sp_zero3_hidden=PIPE_SP_ZERO3_HIDDEN,
                           kernels="published",
                           program_bytes=True)  # fmt: skip
 
