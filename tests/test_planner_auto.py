@@ -324,8 +324,10 @@ def test_planner_prices_what_the_compiled_gpu_program_overlaps():
     (tp,) = [c for c in evaluate(model, gpu, piped, shape).cost.comm if c.name == "tp_comm"]
     assert tp.hidden_s == pytest.approx(dict(F.PIPE_SP_HIDDEN)[4] * tp.seconds) and tp.seconds
     # tp 8 hides less (half the matmuls beside each call); ZeRO-3's gathers share the stream
-    for lay, share in ((dataclasses.replace(piped, tp=8), dict(F.PIPE_SP_HIDDEN)[8]),
-                       (dataclasses.replace(piped, dp=2, zero=3), F.PIPE_SP_ZERO3_HIDDEN)):
+    for lay, share in (
+        (dataclasses.replace(piped, tp=8), dict(F.PIPE_SP_HIDDEN)[8]),
+        (dataclasses.replace(piped, dp=2, zero=3), F.PIPE_SP_ZERO3_HIDDEN),
+    ):
         (tp,) = [c for c in evaluate(model, gpu, lay, shape).cost.comm if c.name == "tp_comm"]
         assert tp.hidden_s == pytest.approx(share * tp.seconds) and tp.seconds > 0
     assert F.PIPE_SP_ZERO3_HIDDEN < dict(F.PIPE_SP_HIDDEN)[8] < dict(F.PIPE_SP_HIDDEN)[4]

@@ -94,7 +94,8 @@ def test_pipeline_sp_transposes_only_with_more_than_one_sequence():
     act, d = res.bytes(4096, 2) - res.weights * 2, model.d_model
     one = CO.layer_time(model, hw, lay, Shape(4, 4096), ex)
     assert one.compute - one.matmul == pytest.approx(
-        PROGRAM_BYTES.pipe_sp_act_passes / 3 * act / hw.hbm_bw)
+        PROGRAM_BYTES.pipe_sp_act_passes / 3 * act / hw.hbm_bw
+    )
     two = CO.layer_time(model, hw, lay, Shape(8, 4096), ex)  # two sequences a micro-batch
     hidden = 2 * 4096 * d * 2  # the gathered [2, 4096, d] in bf16
     assert two.compute - two.matmul == pytest.approx(
@@ -103,4 +104,5 @@ def test_pipeline_sp_transposes_only_with_more_than_one_sequence():
     # the rings (no pipeline) and FP8's GSPMD operands keep their own passes, no transposes
     ring = CO.layer_time(model, hw, dataclasses.replace(lay, pp=1), Shape(8, 4096), ex)
     assert ring.compute - ring.matmul == pytest.approx(
-        PROGRAM_BYTES.sp_act_passes / 3 * 2 * act / hw.hbm_bw)
+        PROGRAM_BYTES.sp_act_passes / 3 * 2 * act / hw.hbm_bw
+    )
