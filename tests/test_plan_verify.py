@@ -58,6 +58,17 @@ def test_verify_compiles_the_recommendation_for_the_pod(tmp_path):
     assert row["step_s"] > 0 and row["planner_step_s"] > 0
     assert row["step_ratio"] == pytest.approx(row["planner_step_s"] / row["step_s"])
     assert row["exposed_s"]["total"] <= row["step_s"]
+    # compiled with the flags a run of its layout starts with (as `jaxpar compile` and
+    # `jaxpar train`), in a process of its own: ZeRO-3 inside one node runs one collective in
+    # flight, so the mesh's overlap-limit flag is withheld
+    from jaxpar import config as C
+    from jaxpar.distributed import run_xla_flags
+
+    hw = C.load_mesh("h100-8").hardware
+    limit = "--xla_gpu_experimental_parallel_collective_overlap_limit=4"
+    assert limit in hw.xla_flags and limit not in row["xla_flags"]
+    lay = C.LayoutConfig(**{k: v for k, v in row["layout"].items() if k != "microbatch_size"})
+    assert row["xla_flags"] == run_xla_flags(hw, lay)
 
 
 def test_verified_pick_skips_what_the_gpu_program_does_not_fit():

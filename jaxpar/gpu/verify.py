@@ -48,6 +48,7 @@ class Verified:
     planner_step_s: float | None = None  # the planner's step for the same layout
     exposed_s: dict[str, float] | None = None  # simulated exposed seconds per mesh axis, total
     tflops_per_device: float | None = None  # model TFLOP/s per device at the simulated step
+    xla_flags: list[str] | None = None  # the mesh's flags its compile started with
 
     @property
     def ratio(self) -> float | None:
@@ -95,12 +96,13 @@ def verify_ranked(cfg: C.RunConfig, n: int) -> list[Verified]:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process runs on the CPU
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
     plug = require_plugin()
-    target = target_for(cfg.mesh, plug)
+    target_for(cfg.mesh, plug)  # refuses a mesh without a GPU target before ranking
     r = rank_layouts(cfg)
-    from jaxpar.gpu.compile import apply_flags, compile_step
-    from jaxpar.gpu.report import estimate, memory, overlap_share
+    from jaxpar.gpu.compile import apply_flags
 
-    flags = apply_flags(list(cfg.mesh.hardware.xla_flags), plug.module)
+    # the mesh's flags checked once, up front, on a copy of the environment (one line for an
+    # unknown name); each layout's program compiles in its own process (_compile_row)
+    apply_flags(list(cfg.mesh.hardware.xla_flags), plug.module, env=dict(os.environ))
     out = []
     for i in candidates(r.ranked, n):
         rank, cand = i + 1, r.ranked[i]
@@ -112,24 +114,47 @@ def verify_ranked(cfg: C.RunConfig, n: int) -> list[Verified]:
         except ConfigError as e:  # a rule beyond the search's check_layout
             out.append(dataclasses.replace(row, refused=str(e)))
             continue
-        compiled = compile_step(trial, target, flags)
-        mem = memory(trial, compiled)
-        est, _ = estimate(trial, compiled)
-        out.append(
-            dataclasses.replace(
-                row,
-                compiled_bytes=float(mem["total"]),
-                usable_bytes=float(mem["usable_bytes"]),
-                fits=bool(mem["fits"]),
-                compile_s=compiled.seconds,
-                exposed_share=overlap_share(compiled),
-                step_s=est["step_s"],
-                planner_step_s=est["planner_step_s"],
-                exposed_s=dict(est["exposed_s"]),
-                tflops_per_device=est["tflops_per_device"],
-            )
-        )
+        out.append(dataclasses.replace(row, **_in_fresh_process(_compile_row, trial)))
     return out
+
+
+def _in_fresh_process(fn, *args: Any) -> Any:
+    """``fn(*args)`` in a new Python process: XLA reads ``XLA_FLAGS`` once, when its GPU
+    compiler starts, so each layout's own flags need a process of their own."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _compile_row(trial: C.RunConfig) -> dict[str, Any]:
+    """Compile ``trial``'s train step with the flags a run of its layout starts with
+    (:func:`jaxpar.distributed.run_xla_flags`, as ``jaxpar compile`` and ``jaxpar train``) and
+    read its memory and simulated step (fields of :class:`Verified`)."""
+    from jaxpar.distributed import run_xla_flags
+    from jaxpar.gpu.compile import apply_flags, compile_step
+    from jaxpar.gpu.report import estimate, memory, overlap_share
+    from jaxpar.gpu.targets import require_plugin, target_for
+
+    plug = require_plugin()
+    flags = apply_flags(run_xla_flags(trial.mesh.hardware, trial.layout), plug.module)
+    compiled = compile_step(trial, target_for(trial.mesh, plug), flags)
+    mem = memory(trial, compiled)
+    est, _ = estimate(trial, compiled)
+    return {
+        "compiled_bytes": float(mem["total"]),
+        "usable_bytes": float(mem["usable_bytes"]),
+        "fits": bool(mem["fits"]),
+        "compile_s": compiled.seconds,
+        "exposed_share": overlap_share(compiled),
+        "step_s": est["step_s"],
+        "planner_step_s": est["planner_step_s"],
+        "exposed_s": dict(est["exposed_s"]),
+        "tflops_per_device": est["tflops_per_device"],
+        "xla_flags": list(flags.from_mesh),
+    }
 
 
 def verified_pick(rows: list[Verified]) -> Verified | None:
