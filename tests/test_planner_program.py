@@ -106,3 +106,30 @@ def test_pipeline_sp_transposes_only_with_more_than_one_sequence():
     assert ring.compute - ring.matmul == pytest.approx(
         PROGRAM_BYTES.sp_act_passes / 3 * 2 * act / hw.hbm_bw
     )
+
+
+@pytest.mark.parametrize("remat", ["selective", "full"])
+def test_recompute_moves_fewer_activation_passes(remat):
+    """Without recompute the forward writes each residual into the layer stack and the
+    backward reads it back; under selective or full recompute a layer moves
+    PROGRAM_BYTES.unsaved_passes fewer passes, the recompute's own memory-bound work
+    included (full recompute re-runs the kernels only)."""
+    model, hw, lay, shape = _setup()
+    ex = for_target(hw, for_model(model))
+    res = block_residuals(model, lay, 4096, "blockwise", "none")
+    act = res.bytes(4096, 2) - res.weights * 2
+    lt = CO.layer_time(model, hw, dataclasses.replace(lay, remat=remat), shape, ex)
+    unsaved = PROGRAM_BYTES.unsaved_passes(remat)
+    assert 0 < unsaved < PROGRAM_BYTES.act_passes
+    assert lt.compute - lt.matmul == pytest.approx(
+        (PROGRAM_BYTES.act_passes - unsaved) / 3 * act / hw.hbm_bw
+    )
+    if remat == "full":
+        # the kernels again, less the two dead projections; no memory-bound work
+        assert lt.attention < lt.recompute < lt.matmul
+    # a MoE layer keeps the passes measured without recompute
+    moe = C.load_model("mixtral-8x7b")
+    lm = dataclasses.replace(lay, remat=remat)
+    a = CO.layer_time(moe, hw, lm, shape, ex)
+    b = CO.layer_time(moe, hw, dataclasses.replace(lm, remat="none"), shape, ex)
+    assert a.compute == pytest.approx(b.compute)

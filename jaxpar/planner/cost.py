@@ -177,7 +177,7 @@ def layer_time(
     res = block_residuals(model, lay, s, "blockwise", "none")
     wc = DTYPE_BYTES[lay.compute_dtype]
     act_bytes = res.bytes(tokens, wc) - res.weights * wc
-    passes, transposes = ex.elementwise_passes, 0.0
+    passes, transposes, unsaved = ex.elementwise_passes, 0.0, 0.0
     # Megatron-SP's tp collectives: the bf16 collective matmul's rings (not inside a
     # pipeline's ticks: jaxpar.model.collective_matmul.axes), the FP8 rings where ZeRO-3
     # crosses nodes (jaxpar.sharding.fp8_rings), else GSPMD's gathers and reduce-scatters
@@ -196,13 +196,21 @@ def layer_time(
                 # transposed for its consumer (and the reverse for a reduce-scatter's input):
                 # PROGRAM_BYTES.sp_transpose_passes of the gathered hidden state a layer
                 transposes = PROGRAM_BYTES.sp_transpose_passes * tokens * d * wc
-        passes = (sp_passes if sp_ else PROGRAM_BYTES.act_passes) / 3
+        # each measured without recompute; a backward that does not read saved residuals
+        # back moves fewer passes, the recompute's own memory-bound work included (measured
+        # on dense layers; not on a MoE layer, nor the FP8 rings, whose passes were checked
+        # on a selective program as they are)
+        if not (model.moe.enabled or F8.on(lay) and shd.fp8_rings(lay, hw)):
+            unsaved = PROGRAM_BYTES.unsaved_passes(lay.remat)
+        passes = ((sp_passes if sp_ else PROGRAM_BYTES.act_passes) - unsaved) / 3
     quant = F8.quant_bytes(model, lay, tokens)
     elementwise = (passes * act_bytes + transposes / 3 + quant) / mem_bw
     recompute = 0.0  # forward work the backward re-runs
     compute = sum(secs) + attn + elementwise
     if lay.remat == "full":
         recompute = compute
+        if unsaved:  # its memory-bound work is in the passes; its quantization is not
+            recompute = sum(secs) + attn + quant / mem_bw
         if ex.recompute_drops_dead and not model.moe.enabled:
             # the output and down projections' products are dead in the backward (XLA drops
             # them): llama3-70b dp 1024 ZeRO-3 on h100-1024 at 8 layers, the program's matmuls

@@ -341,6 +341,18 @@ class ProgramBytes:
       ZeRO-0 over dp 8 77.6, its per-layer all-reduces' buffers included). Each is what
       remains of a layer's bytes after ``act_passes``, so the two are refit together. The
       optimizer update is inside these figures.
+    * ``unsaved``: the activation passes a layer no longer moves under recompute, by
+      ``layout.remat``, the recompute's own memory-bound work included: every passes figure
+      above is measured without recompute, where the forward writes each residual into the
+      layer stack and the backward reads it back. Measured on ``z1`` at 1 and 2 sequences
+      with ``--remat none``, ``selective`` and ``full`` (llama3-8b's layer, 2 and 4 layers,
+      h100-8): 7.05, 3.56 and 2.77 passes, so 3.49 and 4.28. Checked on ZeRO-3 (``z3``, full:
+      7.89 → 2.67) and on tp 8 + SP's rings (15.08 → 11.75 selective, 11.71 full: 11.59 and
+      10.80 priced).
+      The bytes that do not grow with the tokens grow too on these programs, full less
+      none: 10.0 per layer parameter on ``z1``, 12.5 on ``z3``. Not priced: on llama3-70b
+      dp 1024 ZeRO-3, full (h100-1024, 8 layers) the program's memory-bound kernels take
+      0.062 s, which the passes and ``weights`` without that growth already reach (0.063 s).
     * ``loss_bytes``: bytes per logit of a micro-batch's loss, forward and backward (the
       planner's six fp32 passes: 24).
     * ``tick_passes``, ``split_tick_passes``: a pipeline tick's executor work outside its
@@ -366,6 +378,7 @@ class ProgramBytes:
         (1, WeightBytes(step=5.23, microbatch=44.35, loop=20.54)),
         (3, WeightBytes(step=0.30, microbatch=12.41, loop=1.40)),
     )
+    unsaved: tuple[tuple[str, float], ...] = (("selective", 3.49), ("full", 4.28))
     loss_bytes: float = 24.0
     tick_passes: float = 1.94
     split_tick_passes: float = 3.09
@@ -374,6 +387,11 @@ class ProgramBytes:
         """The figures of ZeRO stage ``zero`` (2 takes 1's)."""
         table = dict(self.weights)
         return table[1 if zero == 2 else zero]
+
+    def unsaved_passes(self, remat: str) -> float:
+        """Activation passes a layer does not move under ``remat`` (``unsaved``; 0 for none
+        and offload)."""
+        return dict(self.unsaved).get(remat, 0.0)
 
 
 PROGRAM_BYTES = ProgramBytes()
