@@ -127,6 +127,21 @@ def test_recompute_moves_fewer_activation_passes(remat):
     if remat == "full":
         # the kernels again, less the two dead projections; no memory-bound work
         assert lt.attention < lt.recompute < lt.matmul
+    # the FP8 rings (ZeRO-3 across nodes of 4): their own passes, the same fewer
+    rl = dataclasses.replace(lay, dp=2, tp=4, zero=3, sequence_parallel=True, fp8="delayed",
+                             remat=remat)  # fmt: skip
+    nodes = dataclasses.replace(hw, devices_per_node=4)
+    from jaxpar import sharding
+    from jaxpar.planner import fp8 as F8
+
+    assert sharding.fp8_rings(rl, nodes)
+    ring = CO.layer_time(model, nodes, rl, Shape(2, 4096), ex)
+    res4 = block_residuals(model, rl, 4096, "blockwise", "none")
+    act4 = res4.bytes(4096, 2) - res4.weights * 2
+    quant = F8.quant_bytes(model, rl, 4096)
+    assert ring.compute - ring.matmul == pytest.approx(
+        ((PROGRAM_BYTES.fp8_ring_act_passes - unsaved) / 3 * act4 + quant) / hw.hbm_bw
+    )
     # a MoE layer keeps the passes measured without recompute
     moe = C.load_model("mixtral-8x7b")
     lm = dataclasses.replace(lay, remat=remat)

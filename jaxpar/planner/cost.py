@@ -189,6 +189,8 @@ def layer_time(
         # FP8 rings moving chunks of one byte: llama3-70b dp 128 x tp 8 + SP delayed on
         # h100-1024, 80 layers, compute 4.02 s in the program, 4.05 s priced with these passes)
         sp_passes = PROGRAM_BYTES.sp_act_passes if bf16_rings else PROGRAM_BYTES.fp8_sp_act_passes
+        if F8.on(lay) and shd.fp8_rings(lay, hw):  # the FP8 rings' chunks through HBM
+            sp_passes = PROGRAM_BYTES.fp8_ring_act_passes
         if sp_ and not F8.on(lay) and not bf16_rings:  # GSPMD's bf16 gathers (pipeline ticks)
             sp_passes = PROGRAM_BYTES.pipe_sp_act_passes
             if b > 1:
@@ -198,9 +200,8 @@ def layer_time(
                 transposes = PROGRAM_BYTES.sp_transpose_passes * tokens * d * wc
         # each measured without recompute; a backward that does not read saved residuals
         # back moves fewer passes, the recompute's own memory-bound work included (measured
-        # on dense layers; not on a MoE layer, nor the FP8 rings, whose passes were checked
-        # on a selective program as they are)
-        if not (model.moe.enabled or F8.on(lay) and shd.fp8_rings(lay, hw)):
+        # on dense layers, not on a MoE layer)
+        if not model.moe.enabled:
             unsaved = PROGRAM_BYTES.unsaved_passes(lay.remat)
         passes = ((sp_passes if sp_ else PROGRAM_BYTES.act_passes) - unsaved) / 3
     quant = F8.quant_bytes(model, lay, tokens)

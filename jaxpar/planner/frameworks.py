@@ -341,14 +341,21 @@ class ProgramBytes:
       ZeRO-0 over dp 8 77.6, its per-layer all-reduces' buffers included). Each is what
       remains of a layer's bytes after ``act_passes``, so the two are refit together. The
       optimizer update is inside these figures.
+    * ``fp8_ring_act_passes``: the same under an FP8 recipe whose tp collectives are the
+      collective matmul's rings (where ZeRO-3 crosses nodes, :func:`jaxpar.sharding.
+      fp8_rings`), quantization bytes apart: 13.73, measured on dp 2 × tp 4 + SP, ZeRO-3,
+      ``--fp8 delayed`` over nodes of 4 GPUs (``-o hardware.devices_per_node=4``) at 1 and 2
+      sequences per device. Selective and full recompute measured 8.17 and 8.30 there; the
+      common ``unsaved`` gives 10.24 and 9.45, and prices llama3-70b's FP8 ring layouts on
+      h100-1024 within 4% (BENCHMARKS.md, "Activation passes under recompute").
     * ``unsaved``: the activation passes a layer no longer moves under recompute, by
       ``layout.remat``, the recompute's own memory-bound work included: every passes figure
       above is measured without recompute, where the forward writes each residual into the
       layer stack and the backward reads it back. Measured on ``z1`` at 1 and 2 sequences
       with ``--remat none``, ``selective`` and ``full`` (llama3-8b's layer, 2 and 4 layers,
       h100-8): 7.05, 3.56 and 2.77 passes, so 3.49 and 4.28. Checked on ZeRO-3 (``z3``, full:
-      7.89 → 2.67) and on tp 8 + SP's rings (15.08 → 11.75 selective, 11.71 full: 11.59 and
-      10.80 priced).
+      7.89 → 2.67), on tp 8 + SP's rings (15.08 → 11.75 selective, 11.71 full: 11.59 and
+      10.80 priced) and on the FP8 rings (above). Not applied to MoE layers (not measured).
       The bytes that do not grow with the tokens grow too on these programs, full less
       none: 10.0 per layer parameter on ``z1``, 12.5 on ``z3``. Not priced: on llama3-70b
       dp 1024 ZeRO-3, full (h100-1024, 8 layers) the program's memory-bound kernels take
@@ -372,6 +379,7 @@ class ProgramBytes:
     sp_act_passes: float = 15.07
     fp8_sp_act_passes: float = 10.30
     pipe_sp_act_passes: float = 6.13
+    fp8_ring_act_passes: float = 13.73
     sp_transpose_passes: float = 33.0
     weights: tuple[tuple[int, WeightBytes], ...] = (
         (0, WeightBytes(step=33.27, microbatch=44.35, loop=11.34)),
