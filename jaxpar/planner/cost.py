@@ -185,15 +185,17 @@ def layer_time(
     bf16_rings = sp_ and not F8.on(lay) and lay.pp == 1
     gspmd8 = F8.on(lay) and not shd.fp8_rings(lay, hw)
     if ex.program_bytes:  # what XLA's fusions of jaxpar's layer move (frameworks.PROGRAM_BYTES)
-        # Megatron-SP's passes: the bf16 rings', or GSPMD's gathers' (an FP8 recipe's, the
-        # FP8 rings moving chunks of one byte: llama3-70b dp 128 x tp 8 + SP delayed on
-        # h100-1024, 80 layers, compute 4.02 s in the program, 4.05 s priced with these passes)
-        sp_passes = PROGRAM_BYTES.sp_act_passes if bf16_rings else PROGRAM_BYTES.fp8_sp_act_passes
-        if F8.on(lay) and shd.fp8_rings(lay, hw):  # the FP8 rings' chunks through HBM
-            sp_passes = PROGRAM_BYTES.fp8_ring_act_passes
-        if sp_ and not F8.on(lay) and not bf16_rings:  # GSPMD's bf16 gathers (pipeline ticks)
+        # Megatron-SP's passes: the bf16 rings', the FP8 rings' (chunks of one byte), GSPMD's
+        # FP8 gathers', or GSPMD's bf16 gathers' inside a pipeline's ticks
+        if bf16_rings:
+            sp_passes = PROGRAM_BYTES.sp_act_passes
+        elif F8.on(lay):
+            sp_passes = (
+                PROGRAM_BYTES.fp8_sp_act_passes if gspmd8 else PROGRAM_BYTES.fp8_ring_act_passes
+            )
+        else:
             sp_passes = PROGRAM_BYTES.pipe_sp_act_passes
-            if b > 1:
+            if sp_ and b > 1:
                 # a gather over tp along the sequence of [b, s, d] lands sequence-major and is
                 # transposed for its consumer (and the reverse for a reduce-scatter's input):
                 # PROGRAM_BYTES.sp_transpose_passes of the gathered hidden state a layer

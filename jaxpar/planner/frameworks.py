@@ -317,7 +317,9 @@ class ProgramBytes:
       rings too, whose chunks are one byte an element),
       beyond the quantization bytes the planner prices apart (3 × :func:`jaxpar.planner.fp8.
       quant_bytes`, delayed's 2.58 bytes an element): measured on dp 2 × tp 4 + SP ``--fp8
-      delayed`` at 1 and 2 sequences per device (``tp4-fp8``, ``tp4-fp8-2seq``).
+      delayed`` at 1 and 2 sequences per device (``tp4-fp8``, ``tp4-fp8-2seq``); the same
+      programs measured 8.84 on 2026-12-08 (left at 10.30: the FP8 changes since were not
+      refit).
     * ``pipe_sp_act_passes``, ``sp_transpose_passes``: Megatron-SP inside a pipeline's ticks,
       where the tp calls are GSPMD's bf16 all-gathers and reduce-scatters (no rings). With
       more than one sequence in a micro-batch, a gather of ``[b, s, d]`` along ``s`` lands
@@ -328,9 +330,10 @@ class ProgramBytes:
       elements in the compute dtype) a layer at two and four, forward and backward; pp 2 ×
       tp 8 + SP (16 GPUs) at two sequences 30.0; so 33.0. On llama2-70b dp 2 × tp 8 + SP ×
       pp 4, 16 micro-batches of 2 (a100-64) they are 34.5 passes, 0.73 s of its step. The
-      remaining passes: ``fp8_sp_act_passes``, which prices the tp 4 programs at 2 and 4
-      sequences within 1%, less the transposes in its units there (4.17), so 6.13; the tp 8
-      programs' other memory-bound bytes then plan within 0.06 ms a layer and micro-batch.
+      remaining passes, 6.13: the 10.30 that priced the tp 4 pipeline programs at 2 and 4
+      sequences within 1% (as ``fp8_sp_act_passes`` did), less the transposes in its units
+      there (4.17); the tp 8 programs' other memory-bound bytes then plan within 0.06 ms a
+      layer and micro-batch.
     * ``weights``: :class:`WeightBytes` per ZeRO stage, from 1, 2 and 4 micro-batches of one
       sequence per device: ZeRO 0/1 slice each layer's fp32 weights out of the stack and cast
       them, write each weight gradient into the stacked fp32 gradient and add it to the
